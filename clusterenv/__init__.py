@@ -1,0 +1,35 @@
+"""clusterenv: Gymnasium vector environments whose envs run in worker processes.
+
+Swap ``gymnasium.make_vec`` for :func:`clusterenv.make_vec` and ``reset``/``step`` run in
+ZeroMQ worker processes, on this machine or others, behind the unchanged ``VectorEnv`` API.
+"""
+
+from __future__ import annotations
+
+from clusterenv.env import ClusterEnv
+from clusterenv.errors import (
+    AuthenticationError,
+    ClusterEnvError,
+    PolicyError,
+    ProtocolError,
+    RemoteEnvError,
+    WorkerLostError,
+    WorkerStartError,
+    WorkerTimeoutError,
+)
+from clusterenv.make import make_vec
+
+__all__ = [
+    "AuthenticationError",
+    "ClusterEnv",
+    "ClusterEnvError",
+    "PolicyError",
+    "ProtocolError",
+    "RemoteEnvError",
+    "WorkerLostError",
+    "WorkerStartError",
+    "WorkerTimeoutError",
+    "make_vec",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,67 @@
+"""Flatten batched Gymnasium space values into the arrays that travel as raw frames.
+
+Gymnasium batches a ``Tuple``/``Dict`` space into a tuple/dict of arrays; on the wire we
+only want the leaf arrays, in a fixed order that both ends derive from the space alone.
+Spaces without a fixed-size array form (``Text``, ``Graph``, ``Sequence``, ``OneOf``)
+are not array trees: their values are pickled instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from gymnasium import spaces
+
+__all__ = ["is_array_tree", "leaf_arrays", "leaf_specs", "unflatten"]
+
+_ARRAY_LEAVES = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
+
+
+def is_array_tree(space: spaces.Space) -> bool:
+    """Whether every leaf of ``space`` batches into one fixed-shape numpy array."""
+    if isinstance(space, _ARRAY_LEAVES):
+        return True
+    if isinstance(space, spaces.Tuple):
+        return all(is_array_tree(s) for s in space.spaces)
+    if isinstance(space, spaces.Dict):
+        return all(is_array_tree(s) for s in space.spaces.values())
+    return False
+
+
+def leaf_arrays(space: spaces.Space, batch: Any) -> list[np.ndarray]:
+    """The leaf arrays of a batched value of ``space``, depth first, Dict keys in space order."""
+    if isinstance(space, _ARRAY_LEAVES):
+        return [batch]
+    if isinstance(space, spaces.Tuple):
+        return [leaf for s, b in zip(space.spaces, batch, strict=True) for leaf in leaf_arrays(s, b)]
+    if isinstance(space, spaces.Dict):
+        return [leaf for key, s in space.spaces.items() for leaf in leaf_arrays(s, batch[key])]
+    raise TypeError(f"Space {space} has no fixed array form; its values must be pickled.")
+
+
+def leaf_specs(space: spaces.Space) -> list[tuple[np.dtype, tuple[int, ...], spaces.Space]]:
+    """``(dtype, single shape, leaf space)`` of each leaf of an unbatched ``space``."""
+    if isinstance(space, _ARRAY_LEAVES):
+        return [(np.dtype(space.dtype), tuple(space.shape or ()), space)]
+    if isinstance(space, spaces.Tuple):
+        return [spec for s in space.spaces for spec in leaf_specs(s)]
+    if isinstance(space, spaces.Dict):
+        return [spec for s in space.spaces.values() for spec in leaf_specs(s)]
+    raise TypeError(f"Space {space} has no fixed array form; its values must be pickled.")
+
+
+def unflatten(space: spaces.Space, leaves: list[np.ndarray]) -> Any:
+    """Rebuild a batched value of ``space`` from its leaf arrays (inverse of :func:`leaf_arrays`)."""
+    it = iter(leaves)
+
+    def build(s: spaces.Space) -> Any:
+        if isinstance(s, _ARRAY_LEAVES):
+            return next(it)
+        if isinstance(s, spaces.Tuple):
+            return tuple(build(child) for child in s.spaces)
+        if isinstance(s, spaces.Dict):
+            return {key: build(child) for key, child in s.spaces.items()}
+        raise TypeError(f"Space {s} has no fixed array form; its values must be pickled.")
+
+    return build(space)

@@ -1,0 +1,574 @@
+"""``ClusterEnv``: a Gymnasium ``VectorEnv`` whose sub-environments live in worker processes."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import secrets
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from copy import deepcopy
+from typing import Any
+
+import cloudpickle
+import numpy as np
+import zmq
+from gymnasium import Env, spaces
+from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError, ResetNeeded
+from gymnasium.vector import AutoresetMode, VectorEnv
+from gymnasium.vector.async_vector_env import AsyncState
+from gymnasium.vector.utils import batch_differing_spaces, batch_space, concatenate, create_empty_array
+
+from clusterenv.batching import is_array_tree, leaf_arrays, leaf_specs
+from clusterenv.errors import RemoteEnvError, WorkerLostError, WorkerStartError, WorkerTimeoutError
+from clusterenv.launch import Launcher, LocalLauncher
+from clusterenv.protocol import Kind, Message
+from clusterenv.transport import Channel, is_loopback, resolve_secret, worker_identity
+
+__all__ = ["ClusterEnv"]
+
+logger = logging.getLogger(__name__)
+
+# While waiting for replies, wake this often to notice a worker process that died.
+_LIVENESS_POLL_S = 0.05
+_CLOSE_GRACE_S = 5.0
+
+
+def _default_num_workers(num_envs: int) -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, num_envs))
+
+
+class ClusterEnv(VectorEnv):
+    """A vector env whose ``reset``/``step`` run in worker processes over ZeroMQ.
+
+    The envs are split into contiguous slices, one per worker; each worker steps its
+    slice as a ``SyncVectorEnv``, so results are bit-identical to
+    ``gymnasium.vector.SyncVectorEnv`` with the same seeds and actions, in every
+    autoreset mode. Actions and observations travel as raw array frames; env factories
+    travel once, cloudpickled, after the worker has authenticated.
+
+    Example:
+        >>> import gymnasium as gym
+        >>> from clusterenv import ClusterEnv
+        >>> envs = ClusterEnv([lambda: gym.make("CartPole-v1")] * 4, num_workers=2)
+        >>> obs, infos = envs.reset(seed=42)
+        >>> obs.shape
+        (4, 4)
+        >>> envs.close()
+    """
+
+    def __init__(
+        self,
+        env_fns: Sequence[Callable[[], Env]],
+        *,
+        num_workers: int | None = None,
+        autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
+        copy: bool = True,
+        observation_mode: str = "same",
+        timeout: float | None = 60.0,
+        start_timeout: float = 120.0,
+        bind: str | None = None,
+        secret: str | bytes | None = None,
+        launcher: Launcher | None = None,
+    ) -> None:
+        """Start the workers and build the envs in them.
+
+        Args:
+            env_fns: zero-argument callables creating the environments, as for ``AsyncVectorEnv``.
+            num_workers: worker processes; defaults to one per available core, at most ``len(env_fns)``.
+            autoreset_mode: Gymnasium's autoreset mode, applied inside the workers.
+            copy: return fresh observation arrays from ``reset``/``step`` (else a reused buffer).
+            observation_mode: ``"same"`` or ``"different"``, as for ``SyncVectorEnv``.
+            timeout: seconds to wait for a reply before raising ``WorkerTimeoutError`` (None: forever).
+            start_timeout: seconds to wait for workers to join and build their envs.
+            bind: learner address; ``None`` is a private ``ipc://`` socket. Non-loopback
+                addresses require a ``secret``.
+            secret: shared HMAC secret (or ``$CLUSTERENV_SECRET``); random when workers are local.
+            launcher: what starts the workers; defaults to local child processes.
+        """
+        super().__init__()
+        self._state = AsyncState.DEFAULT
+        self.closed = True  # until the workers are up, close() has nothing to do
+        self._validate_env_fns(env_fns)
+        self.num_envs = len(env_fns)
+        if num_workers is None:
+            num_workers = _default_num_workers(self.num_envs)
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or not 1 <= num_workers <= self.num_envs:
+            raise ValueError(
+                f"`num_workers` must be an integer between 1 and the number of envs ({self.num_envs}), got {num_workers!r}."
+            )
+        self.num_workers = num_workers
+        self.autoreset_mode = AutoresetMode(autoreset_mode)
+        if observation_mode not in ("same", "different"):
+            raise ValueError(f"`observation_mode` must be 'same' or 'different', got {observation_mode!r}.")
+        self.copy = copy
+        self.timeout = timeout
+        pickled_fns = [self._pickle_env_fn(i, fn) for i, fn in enumerate(env_fns)]
+
+        bounds = np.linspace(0, self.num_envs, num_workers + 1).round().astype(int)
+        self._slices = [slice(int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+
+        key = resolve_secret(secret)
+        if bind is not None and not is_loopback(bind) and key is None:
+            raise ValueError(
+                f"Refusing to bind {bind!r} without a shared secret: anyone who can reach it could "
+                "send pickled code to workers. Pass `secret=` or set $CLUSTERENV_SECRET, or bind a "
+                "loopback address."
+            )
+        self._context = zmq.Context()
+        self._channel = Channel.bind_router(self._context, bind, key or secrets.token_hex(32).encode())
+        self.address = self._channel.endpoint
+        self._launcher: Launcher = launcher or LocalLauncher()
+        self._seq = 0
+        self._needs_reset = True
+        self._finalizer = weakref.finalize(self, _shutdown, self._launcher, self._channel, self._context)
+        self.closed = False
+        try:
+            self._launcher.start(list(range(num_workers)), self.address, self._channel.key)
+            self._join(start_timeout)
+            self._init_workers(pickled_fns, observation_mode, start_timeout)
+        except BaseException:
+            self.close(terminate=True)
+            raise
+
+        self._obs_leaves = leaf_arrays(self.single_observation_space, self._observations) if self._array_obs else []
+        self._env_obs: list[Any] = [None] * self.num_envs
+        self._rewards = np.zeros((self.num_envs,), dtype=np.float64)
+        self._terminations = np.zeros((self.num_envs,), dtype=np.bool_)
+        self._truncations = np.zeros((self.num_envs,), dtype=np.bool_)
+        self._action_specs = leaf_specs(self.single_action_space) if is_array_tree(self.single_action_space) else None
+
+    # -- construction ----------------------------------------------------------------------
+    @staticmethod
+    def _validate_env_fns(env_fns: Sequence[Callable[[], Env]]) -> None:
+        if isinstance(env_fns, (str, bytes)) or not isinstance(env_fns, Sequence):
+            raise TypeError(f"`env_fns` must be a sequence of callables, got {type(env_fns).__name__}.")
+        if len(env_fns) == 0:
+            raise ValueError("`env_fns` must contain at least one environment factory, got an empty sequence.")
+        for i, fn in enumerate(env_fns):
+            if not callable(fn):
+                raise TypeError(f"`env_fns[{i}]` must be a zero-argument callable, got {type(fn).__name__}.")
+
+    @staticmethod
+    def _pickle_env_fn(index: int, fn: Callable[[], Env]) -> bytes:
+        try:
+            return cloudpickle.dumps(fn)
+        except Exception as exc:
+            raise TypeError(
+                f"`env_fns[{index}]` ({fn!r}) cannot be pickled with cloudpickle, so it cannot be sent "
+                f"to a worker: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _join(self, timeout: float) -> None:
+        """Wait for a HELLO from every worker; unknown or unauthenticated peers are ignored."""
+        expected = {worker_identity(w): w for w in range(self.num_workers)}
+        self._workers_info: dict[int, dict[str, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while len(self._workers_info) < self.num_workers:
+            self._check_alive(set(expected.values()) - set(self._workers_info), "starting")
+            if time.monotonic() > deadline:
+                missing = sorted(set(expected.values()) - set(self._workers_info))
+                raise WorkerStartError(
+                    f"Workers {missing} did not connect to {self.address} within start_timeout={timeout} s."
+                )
+            received = self._channel.recv(_LIVENESS_POLL_S, routed=True)
+            if received is None:
+                continue
+            sender, msg = received
+            if msg.kind is Kind.HELLO and sender in expected:
+                self._workers_info[expected[sender]] = msg.meta
+            else:
+                logger.warning("Ignored %s from unexpected peer %r while starting.", msg.kind.name, sender)
+
+    def _init_workers(self, pickled_fns: list[bytes], observation_mode: str, timeout: float) -> None:
+        for w, sl in enumerate(self._slices):
+            meta = {
+                "env_offset": sl.start,
+                "autoreset_mode": self.autoreset_mode.value,
+                "observation_mode": observation_mode,
+            }
+            self._send(w, Kind.INIT, meta, blobs=pickled_fns[sl])
+        replies = self._gather(range(self.num_workers), "building envs", timeout)
+        descriptions = [pickle.loads(replies[w].blobs[0]) for w in range(self.num_workers)]
+        obs_spaces = [s for d in descriptions for s in d["observation_spaces"]]
+        action_spaces = [s for d in descriptions for s in d["action_spaces"]]
+
+        self.metadata = dict(descriptions[0]["metadata"])
+        self.metadata["autoreset_mode"] = self.autoreset_mode
+        self.render_mode = descriptions[0]["render_mode"]
+        self.single_observation_space = obs_spaces[0]
+        self.single_action_space = action_spaces[0]
+        for i, space in enumerate(action_spaces):
+            if space != self.single_action_space:
+                raise RuntimeError(
+                    f"Sub-environment {i} has action space {space}, but env 0 has {self.single_action_space}."
+                )
+        if observation_mode == "same":
+            for i, space in enumerate(obs_spaces):
+                if space != self.single_observation_space:
+                    raise RuntimeError(
+                        f"ClusterEnv(..., observation_mode='same') but env {i} has observation space {space} "
+                        f"and env 0 has {self.single_observation_space}. Use observation_mode='different'."
+                    )
+            self.observation_space = batch_space(self.single_observation_space, self.num_envs)
+        else:
+            self.observation_space = batch_differing_spaces(obs_spaces)
+        self.action_space = batch_space(self.single_action_space, self.num_envs)
+        self._array_obs = is_array_tree(self.single_observation_space)
+        self._observations = create_empty_array(self.single_observation_space, n=self.num_envs, fn=np.zeros)
+
+    # -- messaging -------------------------------------------------------------------------
+    def _send(
+        self,
+        worker_id: int,
+        kind: Kind,
+        meta: dict[str, Any] | None = None,
+        arrays: Sequence[np.ndarray] = (),
+        blobs: Sequence[bytes] = (),
+    ) -> None:
+        try:
+            self._channel.send(
+                kind, {**(meta or {}), "seq": self._seq}, list(arrays), list(blobs), to=worker_identity(worker_id)
+            )
+        except zmq.ZMQError as exc:
+            raise self._lost(worker_id, f"sending {kind.name}") from exc
+
+    def _lost(self, worker_id: int, doing: str) -> WorkerLostError:
+        code = self._launcher.exit_code(worker_id)
+        how = "is unreachable" if code is None else f"exited with code {code}"
+        sl = self._slices[worker_id]
+        error = WorkerLostError(
+            f"{self._launcher.describe(worker_id)}, running envs {sl.start}..{sl.stop - 1}, {how} while {doing}."
+        )
+        self.close(terminate=True)
+        return error
+
+    def _check_alive(self, worker_ids: set[int] | range, doing: str) -> None:
+        for w in worker_ids:
+            if self._launcher.exit_code(w) is not None:
+                raise self._lost(w, doing)
+
+    def _gather(self, worker_ids: Sequence[int] | range, doing: str, timeout: float | None) -> dict[int, Message]:
+        """One reply per worker to the current ``seq``; raises on error, death or timeout."""
+        pending = set(worker_ids)
+        replies: dict[int, Message] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pending:
+            received = self._channel.recv(_LIVENESS_POLL_S, routed=True)
+            if received is None:
+                self._check_alive(pending, doing)
+                if deadline is not None and time.monotonic() > deadline:
+                    self._state = AsyncState.DEFAULT
+                    raise WorkerTimeoutError(
+                        f"Workers {sorted(pending)} did not reply within {timeout} s while {doing}. "
+                        "Raise `timeout` if the environments are this slow."
+                    )
+                continue
+            sender, msg = received
+            worker_id = self._worker_of(sender)
+            if worker_id is None or msg.meta.get("seq") != self._seq:
+                continue  # a reply to a call that timed out earlier, or a stray peer
+            if msg.kind is Kind.ERROR:
+                raise self._remote_error(worker_id, msg)
+            if worker_id in pending:
+                pending.discard(worker_id)
+                replies[worker_id] = msg
+        return replies
+
+    def _worker_of(self, sender: bytes | None) -> int | None:
+        if sender is None or not sender.startswith(b"worker-"):
+            return None
+        try:
+            worker_id = int(sender[len(b"worker-") :])
+        except ValueError:
+            return None
+        return worker_id if 0 <= worker_id < self.num_workers else None
+
+    def _remote_error(self, worker_id: int, msg: Message) -> RemoteEnvError:
+        meta = msg.meta
+        where = f"env {meta['env_index']}" if meta.get("env_index") is not None else "an env"
+        error = RemoteEnvError(
+            f"{where} on worker {worker_id} raised {meta['exc_type']}: {meta['message']}\n\n"
+            f"Remote traceback:\n{meta['traceback']}",
+            env_index=meta.get("env_index"),
+            worker_id=worker_id,
+            exc_type=meta["exc_type"],
+            remote_traceback=meta["traceback"],
+        )
+        if msg.blobs:
+            try:
+                error.__cause__ = pickle.loads(msg.blobs[0])
+            except Exception:
+                logger.debug("Could not unpickle the remote exception.", exc_info=True)
+        self.close()
+        return error
+
+    def _begin(self, state: AsyncState) -> None:
+        self._assert_is_running()
+        if self._state != AsyncState.DEFAULT:
+            raise AlreadyPendingCallError(
+                f"Calling `{state.value}` while waiting for a pending call to `{self._state.value}` to complete.",
+                str(self._state.value),
+            )
+        self._seq += 1
+
+    def _end(self, state: AsyncState, name: str) -> None:
+        self._assert_is_running()
+        if self._state != state:
+            raise NoAsyncCallError(f"Calling `{name}` without any prior matching async call.", state.value)
+
+    def _assert_is_running(self) -> None:
+        if self.closed:
+            raise ClosedEnvironmentError(f"Trying to operate on `{type(self).__name__}`, after a call to `close()`.")
+
+    # -- reset -----------------------------------------------------------------------------
+    def reset(
+        self, *, seed: int | list[int | None] | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[Any, dict[str, Any]]:
+        """Reset the envs (all, or those in ``options["reset_mask"]``), like ``SyncVectorEnv.reset``."""
+        self.reset_async(seed=seed, options=options)
+        return self.reset_wait()
+
+    def reset_async(self, seed: int | list[int | None] | None = None, options: dict[str, Any] | None = None) -> None:
+        """Send the reset to the workers without waiting for the observations."""
+        self._begin(AsyncState.WAITING_RESET)
+        seeds: list[int | None]
+        if seed is None:
+            seeds = [None] * self.num_envs
+        elif isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
+            seeds = [int(seed) + i for i in range(self.num_envs)]
+        else:
+            seeds = list(seed)  # type: ignore[arg-type]
+        if len(seeds) != self.num_envs:
+            raise ValueError(
+                f"If seeds are passed as a list the length must match num_envs={self.num_envs} but got length={len(seeds)}."
+            )
+        options = dict(options) if options is not None else None
+        mask = None
+        if options is not None and "reset_mask" in options:
+            mask = self._check_reset_mask(options.pop("reset_mask"))
+        blobs = [] if options is None else [cloudpickle.dumps(options)]
+        self._pending = []
+        for w, sl in enumerate(self._slices):
+            if mask is not None and not mask[sl].any():
+                continue
+            meta = {"seeds": seeds[sl], "mask": None if mask is None else mask[sl].tolist()}
+            self._send(w, Kind.RESET, meta, blobs=blobs)
+            self._pending.append(w)
+        if mask is None:
+            self._rewards[:] = 0.0
+        self._state = AsyncState.WAITING_RESET
+
+    def _check_reset_mask(self, reset_mask: Any) -> np.ndarray:
+        if not isinstance(reset_mask, np.ndarray):
+            raise TypeError(f"`options['reset_mask']` must be a numpy array, got {type(reset_mask)}")
+        if reset_mask.shape != (self.num_envs,):
+            raise ValueError(f"`options['reset_mask']` must have shape `({self.num_envs},)`, got {reset_mask.shape}")
+        if reset_mask.dtype != np.bool_:
+            raise TypeError(f"`options['reset_mask']` must have `dtype=np.bool_`, got {reset_mask.dtype}")
+        if not np.any(reset_mask):
+            raise ValueError(
+                f"`options['reset_mask']` must contain a boolean array with at least one True value, got reset_mask={reset_mask}"
+            )
+        return reset_mask
+
+    def reset_wait(self, timeout: float | None = None) -> tuple[Any, dict[str, Any]]:
+        """Wait for the observations of a ``reset_async``; ``timeout`` defaults to the env's."""
+        self._end(AsyncState.WAITING_RESET, "reset_wait")
+        replies = self._gather(self._pending, "resetting", self.timeout if timeout is None else timeout)
+        self._state = AsyncState.DEFAULT
+        self._needs_reset = False
+        infos = self._collect(replies, n_extra=0)
+        return self._observation_batch(), infos
+
+    # -- step ------------------------------------------------------------------------------
+    def step(self, actions: Any) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+        """Step every env with its action; returns batched ``(obs, rewards, terminations, truncations, infos)``."""
+        self.step_async(actions)
+        return self.step_wait()
+
+    def step_async(self, actions: Any) -> None:
+        """Send the actions to the workers without waiting for the results."""
+        self._assert_is_running()
+        if self._needs_reset:
+            raise ResetNeeded("Cannot call `step` before `reset`: the environments have not been reset yet.")
+        self._begin(AsyncState.WAITING_STEP)
+        leaves = self._action_leaves(actions)
+        for w, sl in enumerate(self._slices):
+            self._send(w, Kind.STEP, arrays=[leaf[sl] for leaf in leaves], blobs=())
+        self._pending = list(range(self.num_workers))
+        self._state = AsyncState.WAITING_STEP
+
+    def step_wait(self, timeout: float | None = None) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+        """Wait for the results of a ``step_async``; ``timeout`` defaults to the env's."""
+        self._end(AsyncState.WAITING_STEP, "step_wait")
+        replies = self._gather(self._pending, "stepping", self.timeout if timeout is None else timeout)
+        self._state = AsyncState.DEFAULT
+        infos = self._collect(replies, n_extra=3)
+        return (
+            self._observation_batch(),
+            np.copy(self._rewards),
+            np.copy(self._terminations),
+            np.copy(self._truncations),
+            infos,
+        )
+
+    def _action_leaves(self, actions: Any) -> list[np.ndarray]:
+        if self._action_specs is None:
+            raise TypeError(f"Action space {self.single_action_space} has no fixed array form; it is not supported.")
+        try:
+            leaves = leaf_arrays(self.action_space, actions)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(
+                f"Actions do not match the action space {self.action_space}: {type(exc).__name__}: {exc}"
+            ) from None
+        checked = []
+        for leaf, (_dtype, shape, space) in zip(leaves, self._action_specs, strict=True):
+            array = np.asarray(leaf)
+            expected = (self.num_envs, *shape)
+            if array.shape != expected:
+                raise ValueError(
+                    f"Actions must have shape {expected} (num_envs={self.num_envs}, then the single action "
+                    f"shape {shape}) for action space {space}, got shape {array.shape}."
+                )
+            if array.dtype.kind not in "biuf":
+                raise TypeError(f"Actions must be numeric for action space {space}, got dtype {array.dtype}.")
+            if isinstance(space, (spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)):
+                if array.dtype.kind not in "biu":
+                    raise TypeError(f"Actions for {space} must have an integer dtype, got {array.dtype}.")
+                low, high = self._integer_bounds(space)
+                if array.size and (np.any(array < low) or np.any(array > high)):
+                    bad = array[(array < low) | (array > high)].ravel()[0]
+                    raise ValueError(f"Action {bad} is outside {space} (valid values {low}..{high}).")
+            checked.append(array)
+        return checked
+
+    @staticmethod
+    def _integer_bounds(space: spaces.Space) -> tuple[Any, Any]:
+        if isinstance(space, spaces.Discrete):
+            return space.start, space.start + space.n - 1
+        if isinstance(space, spaces.MultiDiscrete):
+            return space.start, space.start + space.nvec - 1
+        return 0, 1
+
+    def _collect(self, replies: dict[int, Message], n_extra: int) -> dict[str, Any]:
+        """Write the workers' slices into the batch buffers and replay infos in env order."""
+        infos: dict[str, Any] = {}
+        for w in sorted(replies):
+            sl, msg = self._slices[w], replies[w]
+            obs_arrays = msg.arrays[: len(msg.arrays) - n_extra]
+            for leaf, part in zip(self._obs_leaves, obs_arrays, strict=True):
+                leaf[sl] = part
+            if n_extra:
+                rewards, terminations, truncations = msg.arrays[-3:]
+                self._rewards[sl], self._terminations[sl], self._truncations[sl] = rewards, terminations, truncations
+            if msg.blobs[0]:
+                for local_index, env_info in pickle.loads(msg.blobs[0]):
+                    infos = self._add_info(infos, env_info, sl.start + local_index)
+            if not self._array_obs:
+                self._env_obs[sl] = pickle.loads(msg.blobs[1])
+        if not self._array_obs:
+            self._observations = concatenate(self.single_observation_space, self._env_obs, self._observations)  # type: ignore[arg-type]
+        return infos
+
+    def _observation_batch(self) -> Any:
+        return deepcopy(self._observations) if self.copy else self._observations
+
+    # -- attributes ------------------------------------------------------------------------
+    def call_async(self, name: str, *args: Any, **kwargs: Any) -> None:
+        """Ask every env for ``name`` (called with the arguments if it is callable)."""
+        self._begin(AsyncState.WAITING_CALL)
+        blob = self._pickle_argument((args, kwargs), f"arguments of call({name!r})")
+        for w in range(self.num_workers):
+            self._send(w, Kind.CALL, {"name": name}, blobs=[blob])
+        self._pending = list(range(self.num_workers))
+        self._state = AsyncState.WAITING_CALL
+
+    def call_wait(self, timeout: float | None = None) -> tuple[Any, ...]:
+        """The per-env results of a ``call_async``, in env order."""
+        self._end(AsyncState.WAITING_CALL, "call_wait")
+        replies = self._gather(self._pending, "calling", self.timeout if timeout is None else timeout)
+        self._state = AsyncState.DEFAULT
+        return tuple(value for w in range(self.num_workers) for value in pickle.loads(replies[w].blobs[0]))
+
+    def call(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        """Call ``name`` on every env (or read it, if not callable); results in env order."""
+        self.call_async(name, *args, **kwargs)
+        return self.call_wait()
+
+    def get_attr(self, name: str) -> tuple[Any, ...]:
+        """Read attribute ``name`` of every env."""
+        return self.call(name)
+
+    def set_attr(self, name: str, values: list[Any] | tuple[Any, ...] | Any) -> None:
+        """Set attribute ``name`` on every env: one value each, or the same value for all."""
+        if not isinstance(values, (list, tuple)):
+            values = [values for _ in range(self.num_envs)]
+        if len(values) != self.num_envs:
+            raise ValueError(
+                "Values must be a list or tuple with length equal to the number of environments. "
+                f"Got `{len(values)}` values for {self.num_envs} environments."
+            )
+        self._begin(AsyncState.WAITING_CALL)
+        for w, sl in enumerate(self._slices):
+            blob = self._pickle_argument(list(values[sl]), f"values of set_attr({name!r})")
+            self._send(w, Kind.SET_ATTR, {"name": name}, blobs=[blob])
+        self._state = AsyncState.WAITING_CALL
+        self._gather(range(self.num_workers), "setting attributes", self.timeout)
+        self._state = AsyncState.DEFAULT
+
+    @staticmethod
+    def _pickle_argument(value: Any, what: str) -> bytes:
+        try:
+            return cloudpickle.dumps(value)
+        except Exception as exc:
+            raise TypeError(f"The {what} cannot be pickled to send to workers: {exc}") from exc
+
+    def render(self) -> tuple[Any, ...] | None:
+        """The frames rendered by every env, in env order."""
+        return self.call("render")
+
+    @property
+    def np_random_seed(self) -> tuple[int, ...]:  # type: ignore[override]
+        """The seed of each env's random number generator."""
+        return self.get_attr("np_random_seed")
+
+    @property
+    def np_random(self) -> tuple[np.random.Generator, ...]:  # type: ignore[override]
+        """A copy of each env's random number generator (the originals stay in the workers)."""
+        return self.get_attr("np_random")
+
+    # -- shutdown --------------------------------------------------------------------------
+    def close_extras(self, timeout: float | None = None, terminate: bool = False, **kwargs: Any) -> None:
+        """Ask workers to close their envs and exit; kill those that do not within the grace period."""
+        grace = _CLOSE_GRACE_S if timeout is None else timeout
+        if not terminate:
+            self._seq += 1
+            for w in range(self.num_workers):
+                try:
+                    self._channel.send(Kind.CLOSE, {"seq": self._seq}, to=worker_identity(w))
+                except zmq.ZMQError:
+                    pass  # already gone
+        self._launcher.stop(0.0 if terminate else grace)
+        self._finalizer()
+
+    def __enter__(self) -> ClusterEnv:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        """``ClusterEnv(CartPole-v1, num_envs=8, num_workers=2)``."""
+        name = "" if self.spec is None else f"{self.spec.id}, "
+        return f"{type(self).__name__}({name}num_envs={self.num_envs}, num_workers={self.num_workers})"
+
+
+def _shutdown(launcher: Launcher, channel: Channel, context: zmq.Context) -> None:
+    """Last-resort cleanup, also run at interpreter exit for envs never closed."""
+    launcher.stop(0.0)
+    channel.close()
+    context.term()

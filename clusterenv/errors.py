@@ -1,0 +1,79 @@
+"""Exceptions raised by clusterenv.
+
+The tree, so that callers can catch as broadly or narrowly as they need::
+
+    ClusterEnvError
+    ├── RemoteEnvError        an environment raised inside a worker (remote traceback attached)
+    ├── WorkerLostError       a worker process died or stopped answering heartbeats
+    ├── WorkerTimeoutError    a reply did not arrive within ``timeout`` (also a ``TimeoutError``)
+    ├── WorkerStartError      workers could not be started or did not join in time
+    ├── ProtocolError         a message could not be decoded
+    │   └── AuthenticationError   a message failed its HMAC check
+    └── PolicyError           a policy is unusable with this environment
+
+Gymnasium's own ``AlreadyPendingCallError``, ``NoAsyncCallError`` and
+``ClosedEnvironmentError`` are raised unchanged, as ``AsyncVectorEnv`` does.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AuthenticationError",
+    "ClusterEnvError",
+    "PolicyError",
+    "ProtocolError",
+    "RemoteEnvError",
+    "WorkerLostError",
+    "WorkerStartError",
+    "WorkerTimeoutError",
+]
+
+
+class ClusterEnvError(Exception):
+    """Base class of every error clusterenv raises itself."""
+
+
+class RemoteEnvError(ClusterEnvError):
+    """An environment raised inside a worker.
+
+    The original exception, when it could be pickled, is attached as ``__cause__``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        env_index: int | None,
+        worker_id: int,
+        exc_type: str,
+        remote_traceback: str,
+    ) -> None:
+        super().__init__(message)
+        self.env_index = env_index
+        self.worker_id = worker_id
+        self.exc_type = exc_type
+        self.remote_traceback = remote_traceback
+
+
+class WorkerLostError(ClusterEnvError):
+    """A worker process exited, was killed, or stopped sending heartbeats."""
+
+
+class WorkerTimeoutError(ClusterEnvError, TimeoutError):
+    """A worker did not reply within the timeout."""
+
+
+class WorkerStartError(ClusterEnvError):
+    """Workers could not be started, or did not join in time."""
+
+
+class ProtocolError(ClusterEnvError):
+    """A message was malformed, truncated, oversized or of an unknown kind."""
+
+
+class AuthenticationError(ProtocolError):
+    """A message's HMAC did not match: the peer does not hold the shared secret."""
+
+
+class PolicyError(ClusterEnvError, ValueError):
+    """A policy cannot be used: wrong output shape, not picklable, bad threshold."""

@@ -1,0 +1,167 @@
+"""ZeroMQ sockets: where the learner binds, how workers connect, and safe defaults.
+
+The learner owns one ROUTER socket; each worker owns one DEALER with an explicit routing
+identity (the zguide's Paranoid Pirate layout). Every socket has ``LINGER=0`` so that
+closing never blocks on unsent messages, and ``ROUTER_MANDATORY`` so that a message to
+a worker that is gone fails loudly instead of vanishing.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+import zmq
+
+from clusterenv.errors import ProtocolError
+from clusterenv.protocol import Kind, Message, coalesce, decode, encode, split
+
+__all__ = [
+    "SECRET_ENV_VAR",
+    "Channel",
+    "is_loopback",
+    "resolve_secret",
+    "worker_identity",
+]
+
+logger = logging.getLogger(__name__)
+
+SECRET_ENV_VAR = "CLUSTERENV_SECRET"
+# A generous cap: policy weights travel in one message. Larger messages are dropped by ZeroMQ.
+MAX_MESSAGE_BYTES = 1 << 31
+
+
+def worker_identity(worker_id: int) -> bytes:
+    """The ROUTER routing id of worker ``worker_id``."""
+    return f"worker-{worker_id}".encode()
+
+
+def resolve_secret(secret: str | bytes | None) -> bytes | None:
+    """The shared secret from the argument or ``$CLUSTERENV_SECRET``, as UTF-8 bytes."""
+    if secret is None:
+        secret = os.environ.get(SECRET_ENV_VAR)
+    if secret is None:
+        return None
+    value = secret.encode() if isinstance(secret, str) else bytes(secret)
+    try:
+        value.decode()
+    except UnicodeDecodeError:
+        raise ValueError(
+            "The shared secret must be UTF-8 text so that it can travel in an environment variable."
+        ) from None
+    if len(value) < 16:
+        raise ValueError(f"The shared secret must be at least 16 bytes long, got {len(value)}.")
+    return value
+
+
+def is_loopback(address: str) -> bool:
+    """Whether binding ``address`` exposes the socket to this machine only."""
+    parts = urlsplit(address)
+    if parts.scheme in ("ipc", "inproc"):
+        return True
+    if parts.scheme != "tcp":
+        return False
+    host = (parts.hostname or "").strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass
+class Channel:
+    """A socket plus the key and framing rules used on it."""
+
+    socket: zmq.Socket
+    key: bytes
+    cover_arrays: bool
+    _tmpdir: str | None = field(default=None, repr=False)
+
+    @classmethod
+    def bind_router(cls, context: zmq.Context, address: str | None, key: bytes) -> Channel:
+        """Bind the learner's ROUTER; ``address=None`` means a fresh private ``ipc://`` path."""
+        tmpdir = None
+        if address is None:
+            tmpdir = tempfile.mkdtemp(prefix="clusterenv-")  # mode 0700: only this user can connect
+            address = f"ipc://{tmpdir}/learner.sock"
+        socket = context.socket(zmq.ROUTER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        try:
+            socket.bind(address)
+        except zmq.ZMQError as exc:
+            socket.close(linger=0)
+            if tmpdir:
+                shutil.rmtree(tmpdir, ignore_errors=True)
+            raise OSError(f"Cannot bind the learner socket to {address!r}: {exc}") from exc
+        return cls(socket, key, cover_arrays=not address.startswith("ipc://"), _tmpdir=tmpdir)
+
+    @classmethod
+    def connect_dealer(cls, context: zmq.Context, address: str, key: bytes, identity: bytes) -> Channel:
+        """Connect a worker's DEALER to the learner."""
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.IDENTITY, identity)
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        socket.connect(address)
+        return cls(socket, key, cover_arrays=not address.startswith("ipc://"))
+
+    @property
+    def endpoint(self) -> str:
+        """The address actually bound (wildcard ports resolved)."""
+        return self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def send(
+        self,
+        kind: Kind,
+        meta: dict[str, Any] | None = None,
+        arrays: list[np.ndarray] | tuple[np.ndarray, ...] = (),
+        blobs: list[bytes] | tuple[bytes, ...] = (),
+        *,
+        to: bytes | None = None,
+    ) -> None:
+        """Send one message (to ``to`` on a ROUTER)."""
+        frames = coalesce(encode(kind, meta, arrays, blobs, key=self.key, cover_arrays=self.cover_arrays))
+        if to is not None:
+            frames.insert(0, to)
+        # A coalesced message is small and copied; a split one carries large arrays zero-copy.
+        self.socket.send_multipart(frames, copy=len(frames) <= 2)
+
+    def recv(self, timeout: float | None, *, routed: bool) -> tuple[bytes | None, Message] | None:
+        """Receive one valid message within ``timeout`` seconds, or ``None``.
+
+        Messages that fail to decode or authenticate are logged and dropped: a stray or
+        hostile peer must not be able to crash the receiver.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self.socket.poll(None if remaining is None else int(remaining * 1000)):
+                return None
+            frames = self.socket.recv_multipart(copy=True)
+            sender = None
+            if routed:
+                sender, frames = frames[0], frames[1:]
+            try:
+                return sender, decode(split(frames), key=self.key, cover_arrays=self.cover_arrays)
+            except ProtocolError as exc:
+                logger.warning("Dropped a message from %r: %s", sender, exc)
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+
+    def close(self) -> None:
+        """Close the socket and remove the private ipc directory, if any."""
+        self.socket.close(linger=0)
+        if self._tmpdir:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)

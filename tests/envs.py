@@ -1,0 +1,144 @@
+"""Small environments that exercise every space kind, info shape and failure mode."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+
+class RichSpacesEnv(gym.Env):
+    """Nested Dict/Tuple observations, a chosen action space, and infos that vary per step.
+
+    Episodes end at random (terminated) or after ``max_len`` steps (truncated), so a
+    1,000-step run crosses many boundaries. Infos mix scalars, arrays, nested dicts and
+    keys that appear only sometimes, which is what exercises Gymnasium's info batching.
+    """
+
+    metadata = {"render_modes": ["rgb_array"], "render_fps": 30}
+
+    def __init__(self, action_kind: str = "discrete", max_len: int = 17, render_mode: str | None = None) -> None:
+        self.observation_space = spaces.Dict(
+            {
+                "image": spaces.Box(0, 255, (6, 5, 3), np.uint8),
+                "state": spaces.Tuple((spaces.Box(-1.0, 1.0, (3,), np.float64), spaces.Discrete(7, start=-2))),
+                "flags": spaces.MultiBinary(4),
+                "grid": spaces.MultiDiscrete([3, 5]),
+            }
+        )
+        self.action_space = {
+            "discrete": spaces.Discrete(3),
+            "box": spaces.Box(-2.0, 2.0, (2,), np.float32),
+            "multidiscrete": spaces.MultiDiscrete([2, 4]),
+            "multibinary": spaces.MultiBinary(3),
+            "tuple": spaces.Tuple((spaces.Discrete(2), spaces.Box(-1, 1, (1,), np.float32))),
+            "dict": spaces.Dict({"move": spaces.Discrete(4), "force": spaces.Box(0, 1, (2,), np.float64)}),
+        }[action_kind]
+        self.max_len = max_len
+        self.render_mode = render_mode
+        self.t = 0
+
+    def _obs(self) -> dict[str, Any]:
+        return self.observation_space.sample()
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self.observation_space.seed(int(self.np_random.integers(2**31)))
+        self.t = 0
+        info: dict[str, Any] = {"start": int(self.np_random.integers(100))}
+        if options:
+            info["options"] = dict(options)
+        return self._obs(), info
+
+    def step(self, action):
+        self.t += 1
+        flat = np.concatenate([np.ravel(np.asarray(a, dtype=np.float64)) for a in _leaves(action)])
+        reward = float(self.np_random.normal() + flat.sum())
+        terminated = bool(self.np_random.random() < 0.08)
+        truncated = self.t >= self.max_len
+        info: dict[str, Any] = {"t": self.t, "noise": np.float32(self.np_random.random())}
+        if self.t % 3 == 0:
+            info["vector"] = self.np_random.random(2)
+        if self.t % 5 == 0:
+            info["nested"] = {"depth": self.t, "label": f"step-{self.t}"}
+        return self._obs(), reward, terminated, truncated, info
+
+    def render(self):
+        return np.full((4, 4, 3), self.t % 256, dtype=np.uint8)
+
+
+def _leaves(value):
+    if isinstance(value, dict):
+        return [leaf for v in value.values() for leaf in _leaves(v)]
+    if isinstance(value, tuple):
+        return [leaf for v in value for leaf in _leaves(v)]
+    return [value]
+
+
+class TextObsEnv(gym.Env):
+    """Text observations have no fixed array form: they exercise the pickled observation path."""
+
+    def __init__(self) -> None:
+        self.observation_space = spaces.Text(max_length=8)
+        self.action_space = spaces.Discrete(2)
+        self.t = 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self.observation_space.seed(int(self.np_random.integers(2**31)))
+        self.t = 0
+        return self.observation_space.sample(), {}
+
+    def step(self, action):
+        self.t += 1
+        return self.observation_space.sample(), float(action), self.t >= 4, False, {"len": self.t}
+
+
+class FailingEnv(gym.Env):
+    """Raises from ``step`` after ``fail_at`` steps, to test remote tracebacks."""
+
+    observation_space = spaces.Box(-1, 1, (2,), np.float32)
+    action_space = spaces.Discrete(2)
+
+    def __init__(self, fail_at: int = 3) -> None:
+        self.fail_at = fail_at
+        self.t = 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        if self.t >= self.fail_at:
+            raise ValueError(f"deliberate failure at step {self.t}")
+        return np.zeros(2, np.float32), 0.0, False, False, {}
+
+
+class SlowEnv(gym.Env):
+    """Sleeps ``delay`` seconds per step, to test timeouts."""
+
+    observation_space = spaces.Box(-1, 1, (2,), np.float32)
+    action_space = spaces.Discrete(2)
+
+    def __init__(self, delay: float = 1.0) -> None:
+        self.delay = delay
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        time.sleep(self.delay)
+        return np.zeros(2, np.float32), 0.0, False, False, {}
+
+
+class BrokenInitEnv(gym.Env):
+    """Raises in its constructor, inside the worker."""
+
+    def __init__(self) -> None:
+        raise RuntimeError("cannot build this env")
