@@ -536,7 +536,7 @@ class ClusterEnv(VectorEnv):
         """The seed of each env's random number generator."""
         return self.get_attr("np_random_seed")
 
-    @property
+    @property  # type: ignore[misc]
     def np_random(self) -> tuple[np.random.Generator, ...]:  # type: ignore[override]
         """A copy of each env's random number generator (the originals stay in the workers)."""
         return self.get_attr("np_random")
