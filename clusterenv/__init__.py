@@ -17,17 +17,33 @@ from clusterenv.errors import (
     WorkerStartError,
     WorkerTimeoutError,
 )
+from clusterenv.heads import Categorical, EpsilonGreedy, Greedy, Head
 from clusterenv.make import make_vec
+from clusterenv.rollout import PolicyRunner, RolloutBatch
+from clusterenv.sync import APS, EveryUpdate, FixedInterval, Never, SyncStrategy, Telemetry, WorkerTelemetry
 
 __all__ = [
+    "APS",
     "AuthenticationError",
+    "Categorical",
     "ClusterEnv",
     "ClusterEnvError",
+    "EpsilonGreedy",
+    "EveryUpdate",
+    "FixedInterval",
+    "Greedy",
+    "Head",
+    "Never",
     "PolicyError",
+    "PolicyRunner",
     "ProtocolError",
     "RemoteEnvError",
+    "RolloutBatch",
+    "SyncStrategy",
+    "Telemetry",
     "WorkerLostError",
     "WorkerStartError",
+    "WorkerTelemetry",
     "WorkerTimeoutError",
     "make_vec",
 ]

@@ -23,9 +23,11 @@ from gymnasium.vector.utils import batch_differing_spaces, batch_space, concaten
 
 from clusterenv.batching import is_array_tree, leaf_arrays, leaf_specs
 from clusterenv.errors import RemoteEnvError, WorkerLostError, WorkerStartError, WorkerTimeoutError
-from clusterenv.launch import Launcher, LocalLauncher
+from clusterenv.launch import Launcher, resolve_launcher
+from clusterenv.liveness import Heartbeat, HeartbeatMonitor, heartbeat_address
 from clusterenv.protocol import Kind, Message
-from clusterenv.transport import Channel, is_loopback, resolve_secret, worker_identity
+from clusterenv.recovery import replace_workers, report_interrupted
+from clusterenv.transport import Channel, is_loopback, resolve_secret
 
 __all__ = ["ClusterEnv"]
 
@@ -34,11 +36,27 @@ logger = logging.getLogger(__name__)
 # While waiting for replies, wake this often to notice a worker process that died.
 _LIVENESS_POLL_S = 0.05
 _CLOSE_GRACE_S = 5.0
+# HELLOs kept while busy, for external replacement workers; the peers are authenticated, the bound is a safeguard.
+_MAX_EARLY_HELLOS = 64
+# Lets a CLOSE queued for a connected worker leave before the socket goes; peers that are gone hold nothing up.
+_CLOSE_LINGER_MS = 500
 
 
 def _default_num_workers(num_envs: int) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(cores, num_envs))
+
+
+def _check_seconds(name: str, value: Any, *, allow_none: bool) -> Any:
+    """``value`` if it is a positive number of seconds (or None where allowed), else a clear error."""
+    if value is None and allow_none:
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        expected = "a positive number of seconds" + (" or None" if allow_none else "")
+        raise TypeError(f"`{name}` must be {expected}, got {type(value).__name__} ({value!r}).")
+    if not value > 0:
+        raise ValueError(f"`{name}` must be a positive number of seconds, got {value}.")
+    return float(value)
 
 
 class ClusterEnv(VectorEnv):
@@ -72,7 +90,9 @@ class ClusterEnv(VectorEnv):
         start_timeout: float = 120.0,
         bind: str | None = None,
         secret: str | bytes | None = None,
-        launcher: Launcher | None = None,
+        launcher: Launcher | str | None = None,
+        on_worker_failure: str = "raise",
+        heartbeat: Heartbeat | None = None,
     ) -> None:
         """Start the workers and build the envs in them.
 
@@ -83,11 +103,18 @@ class ClusterEnv(VectorEnv):
             copy: return fresh observation arrays from ``reset``/``step`` (else a reused buffer).
             observation_mode: ``"same"`` or ``"different"``, as for ``SyncVectorEnv``.
             timeout: seconds to wait for a reply before raising ``WorkerTimeoutError`` (None: forever).
+                A timeout closes the env: the late workers are still busy with a call whose
+                result nobody will read, so their envs are in an unknown state.
             start_timeout: seconds to wait for workers to join and build their envs.
             bind: learner address; ``None`` is a private ``ipc://`` socket. Non-loopback
                 addresses require a ``secret``.
             secret: shared HMAC secret (or ``$CLUSTERENV_SECRET``); random when workers are local.
-            launcher: what starts the workers; defaults to local child processes.
+            launcher: what starts the workers: ``"local"`` child processes (default), ``"external"``
+                (started by hand or ``srun``, see docs/cluster.md), ``"ray"``, or a ``Launcher``.
+            on_worker_failure: ``"raise"`` a ``WorkerLostError``, or ``"restart"`` the worker: its envs
+                are rebuilt and report the interrupted episode as truncated, with
+                ``infos["worker_restarted"]`` set (exact semantics in docs/cluster.md).
+            heartbeat: heartbeat constants; a worker silent for ``interval * liveness`` seconds is lost.
         """
         super().__init__()
         self._state = AsyncState.DEFAULT
@@ -96,16 +123,28 @@ class ClusterEnv(VectorEnv):
         self.num_envs = len(env_fns)
         if num_workers is None:
             num_workers = _default_num_workers(self.num_envs)
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or not 1 <= num_workers <= self.num_envs:
+        if isinstance(num_workers, bool) or not isinstance(num_workers, (int, np.integer)):
+            raise TypeError(f"`num_workers` must be an integer, got {type(num_workers).__name__} ({num_workers!r}).")
+        if not 1 <= num_workers <= self.num_envs:
             raise ValueError(
-                f"`num_workers` must be an integer between 1 and the number of envs ({self.num_envs}), got {num_workers!r}."
+                f"`num_workers` must be between 1 and the number of envs ({self.num_envs}), got {num_workers}."
             )
-        self.num_workers = num_workers
-        self.autoreset_mode = AutoresetMode(autoreset_mode)
+        self.num_workers = num_workers = int(num_workers)
+        try:
+            self.autoreset_mode = AutoresetMode(autoreset_mode)
+        except ValueError:
+            raise ValueError(
+                f"`autoreset_mode` must be one of {[mode.value for mode in AutoresetMode]}, got {autoreset_mode!r}."
+            ) from None
         if observation_mode not in ("same", "different"):
             raise ValueError(f"`observation_mode` must be 'same' or 'different', got {observation_mode!r}.")
         self.copy = copy
-        self.timeout = timeout
+        self.timeout = _check_seconds("timeout", timeout, allow_none=True)
+        start_timeout = _check_seconds("start_timeout", start_timeout, allow_none=False)
+        if on_worker_failure not in ("raise", "restart"):
+            raise ValueError(f"`on_worker_failure` must be 'raise' or 'restart', got {on_worker_failure!r}.")
+        self.on_worker_failure = on_worker_failure
+        self.heartbeat = Heartbeat() if heartbeat is None else heartbeat
         pickled_fns = [self._pickle_env_fn(i, fn) for i, fn in enumerate(env_fns)]
 
         bounds = np.linspace(0, self.num_envs, num_workers + 1).round().astype(int)
@@ -118,17 +157,36 @@ class ClusterEnv(VectorEnv):
                 "send pickled code to workers. Pass `secret=` or set $CLUSTERENV_SECRET, or bind a "
                 "loopback address."
             )
+        self._launcher: Launcher = resolve_launcher(launcher)
+        if bind is None and getattr(self._launcher, "requires_tcp", False):
+            bind = "tcp://127.0.0.1:*"  # workers connect from other processes that Ray starts, on this host
         self._context = zmq.Context()
         self._channel = Channel.bind_router(self._context, bind, key or secrets.token_hex(32).encode())
         self.address = self._channel.endpoint
-        self._launcher: Launcher = launcher or LocalLauncher()
+        try:
+            self._monitor = HeartbeatMonitor(
+                self._context, heartbeat_address(bind) if bind else None, self._channel.key, self.heartbeat
+            )
+        except BaseException:
+            self._channel.close()
+            self._context.term()
+            raise
         self._seq = 0
         self._needs_reset = True
-        self._finalizer = weakref.finalize(self, _shutdown, self._launcher, self._channel, self._context)
+        self._identities: dict[int, bytes] = {}
+        self._peers: dict[bytes, int] = {}
+        self._workers_info: dict[int, dict[str, Any]] = {}
+        self._last_sent: dict[int, tuple[Kind, dict[str, Any] | None, Sequence[np.ndarray], Sequence[bytes]]] = {}
+        self._failed: set[int] = set()
+        self._early_hellos: list[tuple[bytes | None, Message]] = []
+        self._interrupted: dict[int, Message | None] = {}
+        self._recovering = False
+        self._pickled_fns, self._observation_mode, self._start_timeout = pickled_fns, observation_mode, start_timeout
+        self._finalizer = weakref.finalize(self, _shutdown, self._launcher, self._monitor, self._channel, self._context)
         self.closed = False
         try:
             self._launcher.start(list(range(num_workers)), self.address, self._channel.key)
-            self._join(start_timeout)
+            self._join(list(range(num_workers)), start_timeout)
             self._init_workers(pickled_fns, observation_mode, start_timeout)
         except BaseException:
             self.close(terminate=True)
@@ -162,35 +220,72 @@ class ClusterEnv(VectorEnv):
                 f"to a worker: {type(exc).__name__}: {exc}"
             ) from exc
 
-    def _join(self, timeout: float) -> None:
-        """Wait for a HELLO from every worker; unknown or unauthenticated peers are ignored."""
-        expected = {worker_identity(w): w for w in range(self.num_workers)}
-        self._workers_info: dict[int, dict[str, Any]] = {}
+    def _join(self, worker_ids: list[int], timeout: float) -> None:
+        """Wait for a HELLO for each id; a worker asking for no id (``clusterenv-worker`` by hand) gets a free one.
+
+        Unauthenticated peers never get here (the channel drops them); authenticated ones
+        asking for an id that is taken or not expected are told to CLOSE.
+        """
+        wanted = set(worker_ids)
         deadline = time.monotonic() + timeout
-        while len(self._workers_info) < self.num_workers:
-            self._check_alive(set(expected.values()) - set(self._workers_info), "starting")
+        while wanted:
+            for w in sorted(wanted):
+                code = self._launcher.exit_code(w)
+                if code is not None:
+                    raise WorkerStartError(
+                        f"{self._launcher.describe(w)} exited with code {code} before joining {self.address}."
+                    )
             if time.monotonic() > deadline:
-                missing = sorted(set(expected.values()) - set(self._workers_info))
+                hint = getattr(self._launcher, "join_hint", None)
                 raise WorkerStartError(
-                    f"Workers {missing} did not connect to {self.address} within start_timeout={timeout} s."
+                    f"{len(worker_ids) - len(wanted)} of {len(worker_ids)} workers joined {self.address} within "
+                    f"start_timeout={timeout} s; worker ids {sorted(wanted)} are missing."
+                    + (f" {hint(self.address)}" if hint is not None else "")
                 )
-            received = self._channel.recv(_LIVENESS_POLL_S, routed=True)
+            received = self._early_hellos.pop(0) if self._early_hellos else None
+            received = received or self._channel.recv(_LIVENESS_POLL_S, routed=True)
             if received is None:
                 continue
             sender, msg = received
-            if msg.kind is Kind.HELLO and sender in expected:
-                self._workers_info[expected[sender]] = msg.meta
+            if msg.kind is not Kind.HELLO or sender is None or sender in self._peers:
+                logger.warning("Ignored %s from peer %r while waiting for workers to join.", msg.kind.name, sender)
+                continue
+            asked = msg.meta.get("worker_id")
+            if asked in wanted or asked is None:
+                worker_id = min(wanted) if asked is None else int(asked)
             else:
-                logger.warning("Ignored %s from unexpected peer %r while starting.", msg.kind.name, sender)
+                logger.warning(
+                    "Turned away a worker on %s (pid %s) asking for id %r: expected ids %s.",
+                    msg.meta.get("host"),
+                    msg.meta.get("pid"),
+                    asked,
+                    sorted(wanted),
+                )
+                try:
+                    self._channel.send(Kind.CLOSE, {"seq": self._seq}, to=sender)
+                except zmq.ZMQError:
+                    pass
+                continue
+            wanted.discard(worker_id)
+            self._identities[worker_id], self._peers[sender] = sender, worker_id
+            self._workers_info[worker_id] = msg.meta
+
+    def _init_meta(self, worker_id: int, *, replacement: bool = False) -> dict[str, Any]:
+        """The INIT of one worker; also starts watching its heartbeats, which it starts on receipt."""
+        self._monitor.watch(worker_id, self._identities[worker_id])
+        return {
+            "env_offset": self._slices[worker_id].start,
+            "autoreset_mode": self.autoreset_mode.value,
+            "observation_mode": self._observation_mode,
+            "worker_id": worker_id,
+            "heartbeat": self.heartbeat.to_meta(),
+            "heartbeat_endpoint": self._monitor.endpoint,
+            "autoreset_pending": replacement and self.autoreset_mode is AutoresetMode.NEXT_STEP,
+        }
 
     def _init_workers(self, pickled_fns: list[bytes], observation_mode: str, timeout: float) -> None:
         for w, sl in enumerate(self._slices):
-            meta = {
-                "env_offset": sl.start,
-                "autoreset_mode": self.autoreset_mode.value,
-                "observation_mode": observation_mode,
-            }
-            self._send(w, Kind.INIT, meta, blobs=pickled_fns[sl])
+            self._send(w, Kind.INIT, self._init_meta(w), blobs=pickled_fns[sl])
         replies = self._gather(range(self.num_workers), "building envs", timeout)
         descriptions = [pickle.loads(replies[w].blobs[0]) for w in range(self.num_workers)]
         obs_spaces = [s for d in descriptions for s in d["observation_spaces"]]
@@ -229,16 +324,30 @@ class ClusterEnv(VectorEnv):
         arrays: Sequence[np.ndarray] = (),
         blobs: Sequence[bytes] = (),
     ) -> None:
+        self._last_sent[worker_id] = (kind, meta, arrays, blobs)  # replayed to a replacement worker
         try:
             self._channel.send(
-                kind, {**(meta or {}), "seq": self._seq}, list(arrays), list(blobs), to=worker_identity(worker_id)
+                kind, {**(meta or {}), "seq": self._seq}, list(arrays), list(blobs), to=self._identities[worker_id]
             )
         except zmq.ZMQError as exc:
+            if self.on_worker_failure == "restart" and not self._recovering:
+                logger.warning("Worker %d is unreachable (%s); it will be replaced.", worker_id, exc)
+                self._failed.add(worker_id)
+                return
             raise self._lost(worker_id, f"sending {kind.name}") from exc
 
     def _lost(self, worker_id: int, doing: str) -> WorkerLostError:
         code = self._launcher.exit_code(worker_id)
-        how = "is unreachable" if code is None else f"exited with code {code}"
+        silence = self._monitor.silence(worker_id)
+        if code is not None:
+            how = f"exited with code {code}"
+        elif silence is not None and silence > self.heartbeat.expiry:
+            how = (
+                f"stopped answering heartbeats ({silence:.1f} s silent; interval={self.heartbeat.interval} s, "
+                f"liveness={self.heartbeat.liveness})"
+            )
+        else:
+            how = "is unreachable"
         sl = self._slices[worker_id]
         error = WorkerLostError(
             f"{self._launcher.describe(worker_id)}, running envs {sl.start}..{sl.stop - 1}, {how} while {doing}."
@@ -246,52 +355,74 @@ class ClusterEnv(VectorEnv):
         self.close(terminate=True)
         return error
 
-    def _check_alive(self, worker_ids: set[int] | range, doing: str) -> None:
-        for w in worker_ids:
-            if self._launcher.exit_code(w) is not None:
-                raise self._lost(w, doing)
+    def _check_alive(self, worker_ids: set[int] | range, doing: str) -> set[int]:
+        """Workers among ``worker_ids`` that exited or expired: raised, or (restart) returned and marked failed."""
+        expired = self._monitor.expired()
+        lost = {w for w in worker_ids if w in expired or self._launcher.exit_code(w) is not None}
+        if lost and (self.on_worker_failure == "raise" or self._recovering):
+            raise self._lost(min(lost), doing)
+        for w in sorted(lost):
+            logger.warning("%s was lost while %s; replacing it.", self._launcher.describe(w), doing)
+        self._failed |= lost
+        return lost
 
-    def _gather(self, worker_ids: Sequence[int] | range, doing: str, timeout: float | None) -> dict[int, Message]:
-        """One reply per worker to the current ``seq``; raises on error, death or timeout."""
-        pending = set(worker_ids)
+    def _gather(
+        self,
+        worker_ids: Sequence[int] | range,
+        doing: str,
+        timeout: float | None,
+        on_request: Callable[[int, Message], bool] | None = None,
+    ) -> dict[int, Message]:
+        """One reply per worker to the current ``seq``; raises on error, death or timeout.
+
+        ``on_request(worker_id, msg)`` may answer a mid-call request (a weight pull during a
+        rollout) and return True: that worker's final reply is then still to come.
+        """
+        pending = set(worker_ids) - self._failed
         replies: dict[int, Message] = {}
         deadline = None if timeout is None else time.monotonic() + timeout
         while pending:
+            # Checked before every receive, not only when idle, so that stray messages cannot postpone it.
+            if deadline is not None and time.monotonic() > deadline:
+                error = WorkerTimeoutError(
+                    f"Workers {sorted(pending)} did not reply within {timeout} s while {doing}. Their envs are "
+                    "now in an unknown state, so the ClusterEnv was closed. Raise `timeout` if the "
+                    "environments are this slow."
+                )
+                self.close(terminate=True)
+                raise error
             received = self._channel.recv(_LIVENESS_POLL_S, routed=True)
             if received is None:
-                self._check_alive(pending, doing)
-                if deadline is not None and time.monotonic() > deadline:
-                    self._state = AsyncState.DEFAULT
-                    raise WorkerTimeoutError(
-                        f"Workers {sorted(pending)} did not reply within {timeout} s while {doing}. "
-                        "Raise `timeout` if the environments are this slow."
-                    )
+                pending -= self._check_alive(pending, doing)
                 continue
             sender, msg = received
             worker_id = self._worker_of(sender)
+            if worker_id is None and msg.kind is Kind.HELLO and len(self._early_hellos) < _MAX_EARLY_HELLOS:
+                self._early_hellos.append(received)  # a replacement that joined before the loss was seen
+                continue
             if worker_id is None or msg.meta.get("seq") != self._seq:
                 continue  # a reply to a call that timed out earlier, or a stray peer
             if msg.kind is Kind.ERROR:
-                raise self._remote_error(worker_id, msg)
+                raise self._remote_error(worker_id, msg, doing)
+            if on_request is not None and worker_id in pending and on_request(worker_id, msg):
+                continue
             if worker_id in pending:
                 pending.discard(worker_id)
                 replies[worker_id] = msg
+        lost = self._failed.intersection(worker_ids)
+        if lost:
+            replace_workers(self, sorted(lost), replies, doing)
         return replies
 
     def _worker_of(self, sender: bytes | None) -> int | None:
-        if sender is None or not sender.startswith(b"worker-"):
-            return None
-        try:
-            worker_id = int(sender[len(b"worker-") :])
-        except ValueError:
-            return None
-        return worker_id if 0 <= worker_id < self.num_workers else None
+        return None if sender is None else self._peers.get(sender)
 
-    def _remote_error(self, worker_id: int, msg: Message) -> RemoteEnvError:
+    def _remote_error(self, worker_id: int, msg: Message, doing: str | None = None) -> RemoteEnvError:
         meta = msg.meta
         where = f"env {meta['env_index']}" if meta.get("env_index") is not None else "an env"
+        during = "" if doing is None else f" while {doing}"
         error = RemoteEnvError(
-            f"{where} on worker {worker_id} raised {meta['exc_type']}: {meta['message']}\n\n"
+            f"{where} on worker {worker_id} raised {meta['exc_type']}{during}: {meta['message']}\n\n"
             f"Remote traceback:\n{meta['traceback']}",
             env_index=meta.get("env_index"),
             worker_id=worker_id,
@@ -335,22 +466,12 @@ class ClusterEnv(VectorEnv):
     def reset_async(self, seed: int | list[int | None] | None = None, options: dict[str, Any] | None = None) -> None:
         """Send the reset to the workers without waiting for the observations."""
         self._begin(AsyncState.WAITING_RESET)
-        seeds: list[int | None]
-        if seed is None:
-            seeds = [None] * self.num_envs
-        elif isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
-            seeds = [int(seed) + i for i in range(self.num_envs)]
-        else:
-            seeds = list(seed)  # type: ignore[arg-type]
-        if len(seeds) != self.num_envs:
-            raise ValueError(
-                f"If seeds are passed as a list the length must match num_envs={self.num_envs} but got length={len(seeds)}."
-            )
+        seeds = self._check_seeds(seed)
         options = dict(options) if options is not None else None
         mask = None
         if options is not None and "reset_mask" in options:
             mask = self._check_reset_mask(options.pop("reset_mask"))
-        blobs = [] if options is None else [cloudpickle.dumps(options)]
+        blobs = [] if options is None else [self._pickle_argument(options, "`options` of reset")]
         self._pending = []
         for w, sl in enumerate(self._slices):
             if mask is not None and not mask[sl].any():
@@ -361,6 +482,27 @@ class ClusterEnv(VectorEnv):
         if mask is None:
             self._rewards[:] = 0.0
         self._state = AsyncState.WAITING_RESET
+
+    def _check_seeds(self, seed: Any) -> list[int | None]:
+        """One seed per env, as ``SyncVectorEnv.reset`` derives them, or a clear error."""
+        if isinstance(seed, np.ndarray):
+            seed = seed.tolist()
+        if seed is None:
+            return [None] * self.num_envs
+        if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
+            return [int(seed) + i for i in range(self.num_envs)]
+        if isinstance(seed, (str, bytes)) or not isinstance(seed, Sequence):
+            raise TypeError(
+                f"`seed` must be an int, a list of int or None (one per env), or None, got {type(seed).__name__}."
+            )
+        if len(seed) != self.num_envs:
+            raise ValueError(
+                f"If seeds are passed as a list the length must match num_envs={self.num_envs} but got length={len(seed)}."
+            )
+        for i, value in enumerate(seed):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
+                raise TypeError(f"`seed[{i}]` must be an int or None, got {type(value).__name__} ({value!r}).")
+        return [None if value is None else int(value) for value in seed]
 
     def _check_reset_mask(self, reset_mask: Any) -> np.ndarray:
         if not isinstance(reset_mask, np.ndarray):
@@ -408,6 +550,8 @@ class ClusterEnv(VectorEnv):
         replies = self._gather(self._pending, "stepping", self.timeout if timeout is None else timeout)
         self._state = AsyncState.DEFAULT
         infos = self._collect(replies, n_extra=3)
+        if self._interrupted:
+            infos = report_interrupted(self, infos)
         return (
             self._observation_batch(),
             np.copy(self._rewards),
@@ -421,7 +565,7 @@ class ClusterEnv(VectorEnv):
             raise TypeError(f"Action space {self.single_action_space} has no fixed array form; it is not supported.")
         try:
             leaves = leaf_arrays(self.action_space, actions)
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise ValueError(
                 f"Actions do not match the action space {self.action_space}: {type(exc).__name__}: {exc}"
             ) from None
@@ -437,10 +581,16 @@ class ClusterEnv(VectorEnv):
             if array.dtype.kind not in "biuf":
                 raise TypeError(f"Actions must be numeric for action space {space}, got dtype {array.dtype}.")
             if isinstance(space, (spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)):
-                if array.dtype.kind not in "biu":
+                # Discrete.contains rejects bools (MultiDiscrete and MultiBinary accept them).
+                if array.dtype.kind not in "biu" or (array.dtype.kind == "b" and isinstance(space, spaces.Discrete)):
                     raise TypeError(f"Actions for {space} must have an integer dtype, got {array.dtype}.")
                 low, high = self._integer_bounds(space)
-                if array.size and (np.any(array < low) or np.any(array > high)):
+                if array.size and (
+                    # against scalar bounds, min/max are one pass each and build no temporaries
+                    (array.min() < low or array.max() > high)
+                    if isinstance(low, (int, np.integer))
+                    else (np.any(array < low) or np.any(array > high))
+                ):
                     bad = array[(array < low) | (array > high)].ravel()[0]
                     raise ValueError(f"Action {bad} is outside {space} (valid values {low}..{high}).")
             checked.append(array)
@@ -475,7 +625,11 @@ class ClusterEnv(VectorEnv):
         return infos
 
     def _observation_batch(self) -> Any:
-        return deepcopy(self._observations) if self.copy else self._observations
+        if not self.copy:
+            return self._observations
+        if type(self._observations) is np.ndarray:
+            return self._observations.copy()  # what deepcopy does for an array, without its memo bookkeeping
+        return deepcopy(self._observations)
 
     # -- attributes ------------------------------------------------------------------------
     def call_async(self, name: str, *args: Any, **kwargs: Any) -> None:
@@ -545,15 +699,41 @@ class ClusterEnv(VectorEnv):
     def close_extras(self, timeout: float | None = None, terminate: bool = False, **kwargs: Any) -> None:
         """Ask workers to close their envs and exit; kill those that do not within the grace period."""
         grace = _CLOSE_GRACE_S if timeout is None else timeout
+        # Also on terminate: workers this process cannot kill (external, remote) must hear it.
+        # Without blocking: a frozen worker's full queue must not hang close().
+        self._channel.socket.setsockopt(zmq.SNDTIMEO, 0)
+        self._seq += 1
+        for identity in self._identities.values():
+            try:
+                self._channel.send(Kind.CLOSE, {"seq": self._seq}, to=identity)
+            except zmq.ZMQError:
+                pass  # already gone
         if not terminate:
-            self._seq += 1
-            for w in range(self.num_workers):
-                try:
-                    self._channel.send(Kind.CLOSE, {"seq": self._seq}, to=worker_identity(w))
-                except zmq.ZMQError:
-                    pass  # already gone
+            self._await_closed(grace)
         self._launcher.stop(0.0 if terminate else grace)
         self._finalizer()
+
+    def _await_closed(self, grace: float) -> None:
+        """Wait up to ``grace`` seconds for CLOSED from every worker not known to be gone."""
+        pending = set(self._identities)
+        deadline = time.monotonic() + grace
+        while pending and time.monotonic() < deadline:
+            received = self._channel.recv(_LIVENESS_POLL_S, routed=True)
+            if received is not None:
+                worker_id = self._worker_of(received[0])
+                if received[1].kind is Kind.CLOSED and worker_id is not None:
+                    pending.discard(worker_id)
+                continue
+            expired = self._monitor.expired()
+            pending = {w for w in pending if w not in expired and self._launcher.exit_code(w) is None}
+
+    @property
+    def worker_info(self) -> list[dict[str, Any]]:
+        """Per worker, what it said when it joined: ``{"worker_id", "host", "pid"}`` (replacements included)."""
+        return [
+            {"worker_id": w, "host": info.get("host"), "pid": info.get("pid")}
+            for w, info in sorted(self._workers_info.items())
+        ]
 
     def __enter__(self) -> ClusterEnv:
         return self
@@ -567,8 +747,9 @@ class ClusterEnv(VectorEnv):
         return f"{type(self).__name__}({name}num_envs={self.num_envs}, num_workers={self.num_workers})"
 
 
-def _shutdown(launcher: Launcher, channel: Channel, context: zmq.Context) -> None:
+def _shutdown(launcher: Launcher, monitor: HeartbeatMonitor, channel: Channel, context: zmq.Context) -> None:
     """Last-resort cleanup, also run at interpreter exit for envs never closed."""
     launcher.stop(0.0)
-    channel.close()
+    monitor.close()
+    channel.close(linger=_CLOSE_LINGER_MS)
     context.term()

@@ -54,6 +54,17 @@ class RemoteEnvError(ClusterEnvError):
         self.exc_type = exc_type
         self.remote_traceback = remote_traceback
 
+    def __reduce__(self) -> tuple:
+        # The default reduction replays only ``args``; keep the keyword-only fields too (pytest-xdist, Ray).
+        return (_rebuild_remote_env_error, (type(self), self.args[0], self.__dict__))
+
+
+def _rebuild_remote_env_error(cls: type[RemoteEnvError], message: str, state: dict) -> RemoteEnvError:
+    error = cls.__new__(cls)
+    ClusterEnvError.__init__(error, message)
+    error.__dict__.update(state)
+    return error
+
 
 class WorkerLostError(ClusterEnvError):
     """A worker process exited, was killed, or stopped sending heartbeats."""

@@ -16,7 +16,7 @@ from typing import Protocol
 
 from clusterenv.transport import SECRET_ENV_VAR
 
-__all__ = ["Launcher", "LocalLauncher"]
+__all__ = ["ExternalLauncher", "Launcher", "LocalLauncher", "resolve_launcher"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +32,9 @@ class Launcher(Protocol):
 
     def describe(self, worker_id: int) -> str:
         """Where the worker runs, for error messages."""
+
+    def kill(self, worker_id: int) -> None:
+        """End one worker now, if this launcher can (before a replacement is started)."""
 
     def stop(self, grace: float) -> None:
         """Make sure every worker is gone, waiting up to ``grace`` seconds before killing."""
@@ -56,6 +59,7 @@ class LocalLauncher:
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             env.setdefault(var, "1")
         for worker_id in worker_ids:
+            self.kill(worker_id)  # a replacement: never lose track of the process it replaces
             command = [
                 sys.executable,
                 "-m",
@@ -79,6 +83,13 @@ class LocalLauncher:
         process = self.processes.get(worker_id)
         return f"worker {worker_id}" + ("" if process is None else f" (pid {process.pid})")
 
+    def kill(self, worker_id: int) -> None:
+        """SIGKILL the worker (also when it is stopped) and reap it."""
+        process = self.processes.pop(worker_id, None)
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait()
+
     def stop(self, grace: float) -> None:
         """Wait up to ``grace`` seconds for every child to exit, then kill the rest."""
         deadline = time.monotonic() + grace
@@ -90,3 +101,60 @@ class LocalLauncher:
                     logger.warning("Worker pid %d did not exit within %.1f s; killing it.", process.pid, grace)
                 process.kill()
                 process.wait()
+
+
+class ExternalLauncher:
+    """Workers started by someone else: by hand, by ``srun``, by a job script.
+
+    ``start`` only says how to start them; ``ClusterEnv`` then waits up to ``start_timeout``
+    for them to connect. No exit status is known, so lost workers are found by heartbeats,
+    and with ``on_worker_failure="restart"`` a replacement is awaited the same way (whoever
+    started the worker must start a new one, e.g. ``srun --kill-on-bad-exit=0`` in a loop).
+    """
+
+    def start(self, worker_ids: list[int], address: str, key: bytes) -> None:
+        """Log the command that workers must run."""
+        logger.info(
+            "Waiting for %d external worker(s) %s to connect to %s: run `%s=<secret> clusterenv-worker --connect %s`.",
+            len(worker_ids),
+            worker_ids,
+            address,
+            SECRET_ENV_VAR,
+            address,
+        )
+
+    def join_hint(self, address: str) -> str:
+        """What to tell a user whose workers did not join."""
+        return (
+            f"Start them on the worker hosts with `{SECRET_ENV_VAR}=<secret> clusterenv-worker --connect {address}` "
+            "(or under `srun`), with the same secret, and check that the hosts can reach this address."
+        )
+
+    def exit_code(self, worker_id: int) -> int | None:
+        """Always ``None``: the process is not ours."""
+        return None
+
+    def describe(self, worker_id: int) -> str:
+        """``external worker 3``."""
+        return f"external worker {worker_id}"
+
+    def kill(self, worker_id: int) -> None:
+        """Nothing to do: heartbeats stop answering it, so it exits by itself."""
+
+    def stop(self, grace: float) -> None:
+        """Nothing to do: workers exit on CLOSE, or when the learner's heartbeats stop."""
+
+
+def resolve_launcher(launcher: Launcher | str | None) -> Launcher:
+    """A launcher from ``ClusterEnv(launcher=...)``: an instance, or ``"local"``, ``"external"``, ``"ray"``."""
+    if launcher is None or launcher == "local":
+        return LocalLauncher()
+    if launcher == "external":
+        return ExternalLauncher()
+    if launcher == "ray":
+        from clusterenv.ray_launcher import RayLauncher
+
+        return RayLauncher()
+    if isinstance(launcher, str):
+        raise ValueError(f"`launcher` must be 'local', 'external', 'ray' or a Launcher instance, got {launcher!r}.")
+    return launcher

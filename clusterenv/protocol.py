@@ -79,6 +79,10 @@ class Kind(IntEnum):
     CLOSED = 106
     ROLLOUT_RESULT = 107
     HEARTBEAT = 108
+    WEIGHTS_REQUEST = 109
+
+
+_KINDS = {int(kind): kind for kind in Kind}
 
 
 @dataclass
@@ -91,13 +95,22 @@ class Message:
     blobs: list[bytes] = field(default_factory=list)
 
 
+@functools.lru_cache(maxsize=16)
+def _keyed_hmac(key: bytes) -> hmac.HMAC:
+    """An HMAC with the key already absorbed: copying it skips re-deriving the key pads per message."""
+    return hmac.new(key, digestmod="sha256")
+
+
 def _mac(key: bytes, frames: list[Any]) -> bytes:
-    views = [memoryview(frame).cast("B") for frame in frames]
+    views = [frame if type(frame) is bytes else memoryview(frame).cast("B") for frame in frames]
+    sizes = [len(view) for view in views]
     # Length-prefix each frame so that moving bytes across a frame boundary changes the MAC.
-    lengths = struct.pack(f"<{len(views)}Q", *(v.nbytes for v in views))
-    if sum(v.nbytes for v in views) <= _ONE_SHOT_MAC_BYTES:
-        return hmac.digest(key, lengths + b"".join(views), "sha256")
-    mac = hmac.new(key, lengths, digestmod="sha256")
+    lengths = struct.pack(f"<{len(sizes)}Q", *sizes)
+    mac = _keyed_hmac(key).copy()
+    if sum(sizes) <= _ONE_SHOT_MAC_BYTES:
+        mac.update(lengths + b"".join(views))
+        return mac.digest()
+    mac.update(lengths)
     for view in views:
         mac.update(view)
     return mac.digest()
@@ -128,10 +141,11 @@ def coalesce(frames: list[Any]) -> list[Any]:
 
     A split message always has at least two frames (header and MAC), so one frame is unambiguous.
     """
-    views = [memoryview(frame).cast("B") for frame in frames]
-    if sum(v.nbytes for v in views) > COALESCE_BYTES:
+    views = [frame if type(frame) is bytes else memoryview(frame).cast("B") for frame in frames]
+    sizes = [len(view) for view in views]
+    if sum(sizes) > COALESCE_BYTES:
         return frames
-    table = struct.pack(f"<I{len(views)}I", len(views), *(v.nbytes for v in views))
+    table = struct.pack(f"<I{len(sizes)}I", len(sizes), *sizes)
     return [table + b"".join(views)]
 
 
@@ -185,10 +199,9 @@ def _parse_header(raw: bytes) -> tuple[Kind, dict[str, Any], list[tuple[np.dtype
     version, kind_value, meta, array_specs, n_blobs = header
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"Protocol version {version!r} is not supported; expected {PROTOCOL_VERSION}.")
-    try:
-        kind = Kind(kind_value)
-    except ValueError:
-        raise ProtocolError(f"Unknown message kind {kind_value!r}.") from None
+    kind = _KINDS.get(kind_value) if type(kind_value) is int else None
+    if kind is None:
+        raise ProtocolError(f"Unknown message kind {kind_value!r}.")
     if not isinstance(meta, dict):
         raise ProtocolError("Header field `meta` must be a map.")
     if not _is_count(n_blobs):
@@ -196,12 +209,15 @@ def _parse_header(raw: bytes) -> tuple[Kind, dict[str, Any], list[tuple[np.dtype
     if not isinstance(array_specs, list):
         raise ProtocolError("Header field `arrays` must be a list of [dtype, shape].")
     specs = []
-    for spec in array_specs:
-        if not (isinstance(spec, list) and len(spec) == 2 and isinstance(spec[0], str) and isinstance(spec[1], list)):
+    for spec in array_specs:  # plain loops and type() checks: this runs for every message
+        if type(spec) is not list or len(spec) != 2 or type(spec[0]) is not str or type(spec[1]) is not list:
             raise ProtocolError(f"Array spec {spec!r} must be [dtype string, shape list].")
         shape = spec[1]
-        if len(shape) > _MAX_NDIM or not all(_is_count(d) for d in shape):
+        if len(shape) > _MAX_NDIM:
             raise ProtocolError(f"Array shape {shape!r} must be at most {_MAX_NDIM} non-negative integers.")
+        for dim in shape:
+            if type(dim) is not int or dim < 0:
+                raise ProtocolError(f"Array shape {shape!r} must be at most {_MAX_NDIM} non-negative integers.")
         specs.append((_safe_dtype(spec[0]), tuple(shape)))
     return kind, meta, specs, n_blobs
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import secrets
 import shutil
 import tempfile
 import time
@@ -28,6 +29,7 @@ __all__ = [
     "SECRET_ENV_VAR",
     "Channel",
     "is_loopback",
+    "new_identity",
     "resolve_secret",
     "worker_identity",
 ]
@@ -42,6 +44,15 @@ MAX_MESSAGE_BYTES = 1 << 31
 def worker_identity(worker_id: int) -> bytes:
     """The ROUTER routing id of worker ``worker_id``."""
     return f"worker-{worker_id}".encode()
+
+
+def new_identity(worker_id: int | None) -> bytes:
+    """A fresh routing id for one worker process: ``worker-3-9f2c1a7b`` (``worker-any-...`` if unassigned).
+
+    The random part makes every incarnation distinct, so that the learner can tell a
+    replacement from the worker it replaces, and never routes to a stale connection.
+    """
+    return f"worker-{'any' if worker_id is None else worker_id}-{secrets.token_hex(4)}".encode()
 
 
 def resolve_secret(secret: str | bytes | None) -> bytes | None:
@@ -86,6 +97,8 @@ class Channel:
     key: bytes
     cover_arrays: bool
     _tmpdir: str | None = field(default=None, repr=False)
+    # The receive timeout currently set on the socket (ms, -1 = forever), to set it only when it changes.
+    _rcvtimeo: int | None = field(default=None, repr=False)
 
     @classmethod
     def bind_router(cls, context: zmq.Context, address: str | None, key: bytes) -> Channel:
@@ -133,10 +146,16 @@ class Channel:
     ) -> None:
         """Send one message (to ``to`` on a ROUTER)."""
         frames = coalesce(encode(kind, meta, arrays, blobs, key=self.key, cover_arrays=self.cover_arrays))
+        socket = self.socket
         if to is not None:
-            frames.insert(0, to)
-        # A coalesced message is small and copied; a split one carries large arrays zero-copy.
-        self.socket.send_multipart(frames, copy=len(frames) <= 2)
+            socket.send(to, zmq.SNDMORE)
+        if len(frames) == 1:
+            socket.send(frames[0])  # one small frame; send_multipart's per-frame checks cost more than it
+            return
+        # A split message carries large arrays: zero-copy (pyzmq still copies frames below
+        # zmq.COPY_THRESHOLD), so callers must not write into them before the peer replies.
+        # A worker's observation buffer is written again only by the learner's next command.
+        socket.send_multipart(frames, copy=False)
 
     def recv(self, timeout: float | None, *, routed: bool) -> tuple[bytes | None, Message] | None:
         """Receive one valid message within ``timeout`` seconds, or ``None``.
@@ -147,12 +166,12 @@ class Channel:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not self.socket.poll(None if remaining is None else int(remaining * 1000)):
+            frames = self._recv_frames(-1 if remaining is None else int(remaining * 1000))
+            if frames is None:
                 return None
-            frames = self.socket.recv_multipart(copy=True)
             sender = None
             if routed:
-                sender, frames = frames[0], frames[1:]
+                sender, frames = frames[0].bytes, frames[1:]
             try:
                 return sender, decode(split(frames), key=self.key, cover_arrays=self.cover_arrays)
             except ProtocolError as exc:
@@ -160,8 +179,29 @@ class Channel:
             if deadline is not None and time.monotonic() >= deadline:
                 return None
 
-    def close(self) -> None:
-        """Close the socket and remove the private ipc directory, if any."""
-        self.socket.close(linger=0)
+    def _recv_frames(self, timeout_ms: int) -> list[zmq.Frame] | None:
+        """The frames of one message, or ``None`` after ``timeout_ms`` (-1: wait forever).
+
+        A blocking receive under ``RCVTIMEO`` costs one call where poll-then-receive costs
+        two, and uncopied frames (read through ``.more``) avoid ``recv_multipart``'s
+        per-frame option lookups; decode copies what it keeps out of them.
+        """
+        socket = self.socket
+        if timeout_ms != self._rcvtimeo:
+            socket.setsockopt(zmq.RCVTIMEO, timeout_ms)
+            self._rcvtimeo = timeout_ms
+        try:
+            frame = socket.recv(copy=False)
+        except zmq.Again:
+            return None
+        frames = [frame]
+        while frame.more:  # the rest of a multipart message has arrived with its first frame
+            frame = socket.recv(copy=False)
+            frames.append(frame)
+        return frames
+
+    def close(self, linger: int = 0) -> None:
+        """Close the socket (keeping unsent messages up to ``linger`` ms) and remove the private ipc directory."""
+        self.socket.close(linger=linger)
         if self._tmpdir:
             shutil.rmtree(self._tmpdir, ignore_errors=True)

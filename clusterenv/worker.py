@@ -9,6 +9,7 @@ slice as one :class:`gymnasium.vector.SyncVectorEnv`, so every per-env semantic
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import pickle
@@ -26,15 +27,18 @@ import zmq
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 from clusterenv.batching import is_array_tree, leaf_arrays, unflatten
+from clusterenv.liveness import LEARNER_LOST_EXIT_CODE, Heartbeat, HeartbeatClient
 from clusterenv.protocol import Kind, Message
-from clusterenv.transport import SECRET_ENV_VAR, Channel, resolve_secret, worker_identity
+from clusterenv.transport import SECRET_ENV_VAR, Channel, new_identity, resolve_secret
 
-__all__ = ["main", "serve"]
+__all__ = ["Worker", "main", "serve"]
 
 logger = logging.getLogger(__name__)
 
 # How often an idle worker wakes up to check that its learner still exists.
 IDLE_CHECK_INTERVAL_S = 0.5
+# Lets the last reply (CLOSED) leave before the socket goes; bounded for a learner that is gone.
+_EXIT_LINGER_MS = 500
 
 
 class _RecordingVectorEnv(SyncVectorEnv):
@@ -54,13 +58,25 @@ class _RecordingVectorEnv(SyncVectorEnv):
 
 
 def _failing_env_index(exc: BaseException) -> int | None:
-    """The local index of the env that raised, read from SyncVectorEnv's loop variable."""
-    loops = {SyncVectorEnv.step.__code__, SyncVectorEnv.reset.__code__}
+    """The local index of the env that raised, read from the loop variables of the frames it passed."""
+    index_loops = {SyncVectorEnv.step.__code__, SyncVectorEnv.reset.__code__, _make_envs.__code__}
+    env_loops = {SyncVectorEnv.call.__code__, SyncVectorEnv.set_attr.__code__}
     index = None
     for frame, _ in traceback.walk_tb(exc.__traceback__):
-        if frame.f_code in loops and isinstance(frame.f_locals.get("i"), int):
-            index = frame.f_locals["i"]
+        local = frame.f_locals
+        if frame.f_code in index_loops and isinstance(local.get("i"), int):
+            index = local["i"]
+        elif frame.f_code in env_loops and isinstance(local.get("self"), SyncVectorEnv):
+            index = next((i for i, env in enumerate(local["self"].envs) if env is local.get("env")), index)
     return index
+
+
+def _make_envs(env_fns: list[Callable[[], Any]]) -> list[Any]:
+    """Build the envs one by one, so that a constructor that raises is known by its index."""
+    envs = []
+    for i, env_fn in enumerate(env_fns):  # noqa: B007 (`i` is read by _failing_env_index)
+        envs.append(env_fn())
+    return envs
 
 
 class Worker:
@@ -81,15 +97,20 @@ class Worker:
 
     # -- lifecycle -------------------------------------------------------------------------
     def init(self, msg: Message) -> tuple:
+        """Build this worker's envs from the pickled factories and describe their spaces."""
         env_fns = [pickle.loads(blob) for blob in msg.blobs]
         self.env_offset = int(msg.meta["env_offset"])
         self.envs = _RecordingVectorEnv(
-            env_fns,
+            [functools.partial(_identity, env) for env in _make_envs(env_fns)],
             copy=False,
             observation_mode=msg.meta["observation_mode"],
             autoreset_mode=AutoresetMode(msg.meta["autoreset_mode"]),
         )
         self.envs.info_log = []
+        if msg.meta.get("autoreset_pending"):
+            # A replacement for a lost worker: its envs' episodes were cut short, so under
+            # NEXT_STEP their next step is the autoreset step (see docs/cluster.md).
+            self.envs._autoreset_envs = np.ones(self.envs.num_envs, dtype=np.bool_)
         self.array_obs = is_array_tree(self.envs.single_observation_space)
         description = {
             "observation_spaces": [env.observation_space for env in self.envs.envs],
@@ -104,12 +125,13 @@ class Worker:
         assert self.envs is not None
         log, self.envs.info_log = self.envs.info_log, []
         arrays = (leaf_arrays(self.envs.single_observation_space, obs) if self.array_obs else []) + extra
-        blobs = [b""] if not log else [cloudpickle.dumps(log)]
+        blobs = [b""] if not log else [_dumps(log)]
         if not self.array_obs:
-            blobs.append(cloudpickle.dumps(self.envs._env_obs))
+            blobs.append(_dumps(self.envs._env_obs))
         return Kind.RESULT, {}, arrays, blobs
 
     def reset(self, msg: Message) -> tuple:
+        """Reset the envs (those in the mask, if any) with their seeds."""
         assert self.envs is not None
         options = pickle.loads(msg.blobs[0]) if msg.blobs else None
         if msg.meta.get("mask") is not None:
@@ -118,6 +140,7 @@ class Worker:
         return self._result(obs, [])
 
     def step(self, msg: Message) -> tuple:
+        """Step every env with its slice of the actions."""
         assert self.envs is not None
         # Copies: env code may write into its action, and received frames are read-only.
         actions = unflatten(self.envs.action_space, [a.copy() for a in msg.arrays])
@@ -126,17 +149,20 @@ class Worker:
 
     # -- attributes ------------------------------------------------------------------------
     def call(self, msg: Message) -> tuple:
+        """Call (or read) an attribute of every env."""
         assert self.envs is not None
         args, kwargs = pickle.loads(msg.blobs[0])
         results = self.envs.call(msg.meta["name"], *args, **kwargs)
         return Kind.VALUE, {}, [], [cloudpickle.dumps(list(results))]
 
     def set_attr(self, msg: Message) -> tuple:
+        """Set an attribute on every env, one value each."""
         assert self.envs is not None
         self.envs.set_attr(msg.meta["name"], list(pickle.loads(msg.blobs[0])))
         return Kind.VALUE, {}, [], [cloudpickle.dumps(None)]
 
     def close(self) -> None:
+        """Close the envs."""
         if self.envs is not None:
             self.envs.close()
 
@@ -148,6 +174,22 @@ class Worker:
         if msg.kind is not Kind.INIT and self.envs is None:
             return Kind.ERROR, _error_meta(None, "ProtocolError", f"{msg.kind.name} before INIT.", ""), [], []
         return handler(msg)
+
+
+def _dumps(value: Any) -> bytes:
+    """Per-step payloads (infos, non-array observations): plain pickle, else cloudpickle.
+
+    Infos are plain data almost always, which pickle serializes several times faster;
+    a lambda or a class defined in the learner's script needs cloudpickle.
+    """
+    try:
+        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        return cloudpickle.dumps(value)
+
+
+def _identity(value: Any) -> Any:
+    return value
 
 
 def _error_meta(env_index: int | None, exc_type: str, message: str, tb: str) -> dict[str, Any]:
@@ -165,26 +207,59 @@ def _error_reply(worker: Worker, exc: BaseException) -> tuple:
     return Kind.ERROR, meta, [], blobs
 
 
-def serve(address: str, worker_id: int, key: bytes, *, parent_pid: int | None = None) -> None:
-    """Connect to the learner at ``address`` and serve commands until CLOSE or learner death."""
+def serve(
+    address: str,
+    worker_id: int | None,
+    key: bytes,
+    *,
+    parent_pid: int | None = None,
+    join_timeout: float | None = None,
+) -> int:
+    """Connect to the learner at ``address`` and serve commands until CLOSE or learner death.
+
+    Args:
+        address: the learner's address.
+        worker_id: the id to ask for (``None``: any; the learner assigns it at HELLO).
+        key: the shared secret.
+        parent_pid: exit when this process is gone (local workers).
+        join_timeout: give up if the learner has not sent INIT within this many seconds.
+
+    Returns:
+        The exit status for the process: 0 after CLOSE, ``LEARNER_LOST_EXIT_CODE`` when the
+        learner went away (process gone, heartbeats stopped, never sent work).
+    """
     context = zmq.Context()
-    channel = Channel.connect_dealer(context, address, key, worker_identity(worker_id))
-    worker = Worker(worker_id)
+    identity = new_identity(worker_id)
+    channel = Channel.connect_dealer(context, address, key, identity)
+    worker = Worker(-1 if worker_id is None else worker_id)
     _install_policy_extensions(worker)
+    heart: HeartbeatClient | None = None
+    join_deadline = None if join_timeout is None else time.monotonic() + join_timeout
     try:
         channel.send(Kind.HELLO, {"worker_id": worker_id, "pid": os.getpid(), "host": pysocket.gethostname()})
         while True:
             received = channel.recv(IDLE_CHECK_INTERVAL_S, routed=False)
+            if heart is not None and heart.learner_lost.is_set():
+                return LEARNER_LOST_EXIT_CODE
             if received is None:
                 if parent_pid is not None and os.getppid() != parent_pid:
-                    logger.warning("Worker %d: learner process %d is gone; exiting.", worker_id, parent_pid)
-                    return
+                    logger.warning("Worker %d: learner process %d is gone; exiting.", worker.worker_id, parent_pid)
+                    return LEARNER_LOST_EXIT_CODE
+                if heart is None and join_deadline is not None and time.monotonic() > join_deadline:
+                    logger.error("No learner at %s sent work within %.1f s; exiting.", address, join_timeout)
+                    return LEARNER_LOST_EXIT_CODE
                 continue
             _, msg = received
+            if msg.kind is Kind.INIT and heart is None:
+                worker.worker_id = int(msg.meta.get("worker_id", worker.worker_id))
+                if "heartbeat" in msg.meta:
+                    # Started before the envs are built: building them may take long.
+                    config = Heartbeat(**msg.meta["heartbeat"])
+                    heart = HeartbeatClient(context, address, msg.meta["heartbeat_endpoint"], key, identity, config)
             if msg.kind is Kind.CLOSE:
                 worker.close()
                 channel.send(Kind.CLOSED)
-                return
+                return 0
             seq = msg.meta.get("seq")
             try:
                 kind, meta, arrays, blobs = worker.handle(msg)
@@ -192,7 +267,9 @@ def serve(address: str, worker_id: int, key: bytes, *, parent_pid: int | None = 
                 kind, meta, arrays, blobs = _error_reply(worker, exc)
             channel.send(kind, {**meta, "seq": seq}, arrays, blobs)
     finally:
-        channel.close()
+        if heart is not None:
+            heart.close()
+        channel.close(linger=_EXIT_LINGER_MS)
         context.term()
 
 
@@ -209,18 +286,35 @@ def main(argv: list[str] | None = None) -> None:
     """Command-line entry point (``clusterenv-worker``)."""
     parser = argparse.ArgumentParser(description="Serve clusterenv environments to a learner.")
     parser.add_argument("--connect", required=True, help="learner address, e.g. tcp://10.0.0.1:5555")
-    parser.add_argument("--worker-id", type=int, default=int(os.environ.get("SLURM_PROCID", 0)))
+    slurm_id = os.environ.get("SLURM_PROCID")
+    parser.add_argument(
+        "--worker-id",
+        type=int,
+        default=None if slurm_id is None else int(slurm_id),
+        help="id to ask the learner for (default: $SLURM_PROCID, else any free id)",
+    )
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    parser.add_argument(
+        "--join-timeout", type=float, default=None, help="exit if no learner sends work within this many seconds"
+    )
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"[clusterenv worker {args.worker_id}] %(message)s")
+    name = "?" if args.worker_id is None else args.worker_id
+    logging.basicConfig(level=logging.INFO, format=f"[clusterenv worker {name}] %(message)s")
     key = resolve_secret(None)
     if key is None:
         parser.exit(2, f"error: the shared secret must be set in ${SECRET_ENV_VAR}.\n")
     # The learner decides when workers stop; Ctrl-C in the terminal reaches it, not us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     started = time.monotonic()
-    serve(args.connect, args.worker_id, key, parent_pid=args.parent_pid)
-    logger.debug("Worker %d served for %.1f s.", args.worker_id, time.monotonic() - started)
+    status = serve(args.connect, args.worker_id, key, parent_pid=args.parent_pid, join_timeout=args.join_timeout)
+    logger.debug("Worker %s served for %.1f s.", name, time.monotonic() - started)
+    sys.exit(status)
+    # Skip interpreter teardown: once a local policy has loaded torch it takes 1-2 s, and the
+    # learner's close() waits for this process to exit. Sockets and envs are closed by now.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

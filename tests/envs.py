@@ -142,3 +142,47 @@ class BrokenInitEnv(gym.Env):
 
     def __init__(self) -> None:
         raise RuntimeError("cannot build this env")
+
+
+class FailingResetEnv(FailingEnv):
+    """Raises from ``reset`` once it has been reset ``fail_at`` times."""
+
+    def __init__(self, fail_at: int = 2) -> None:
+        super().__init__(fail_at)
+        self.resets = 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        self.resets += 1
+        if self.resets >= self.fail_at:
+            raise KeyError(f"deliberate reset failure {self.resets}")
+        return super().reset(seed=seed, options=options)
+
+
+class BoxInfoEnv(gym.Env):
+    """Box observations and a Discrete(3) action, with action-dependent rewards and varied infos.
+
+    The shape local policies accept, with what makes step-mode comparisons meaningful:
+    random terminations, truncation at ``max_len``, and infos whose keys come and go.
+    """
+
+    observation_space = spaces.Box(-1.0, 1.0, (3,), np.float32)
+    action_space = spaces.Discrete(3)
+
+    def __init__(self, max_len: int = 9) -> None:
+        self.max_len = max_len
+        self.t = 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self.np_random.uniform(-1, 1, 3).astype(np.float32), {"start": int(self.np_random.integers(100))}
+
+    def step(self, action):
+        self.t += 1
+        obs = self.np_random.uniform(-1, 1, 3).astype(np.float32)
+        reward = float(action) + float(self.np_random.normal())
+        terminated = bool(self.np_random.random() < 0.1)
+        info: dict[str, Any] = {"t": self.t}
+        if self.t % 4 == 0:
+            info["quarter"] = np.float32(self.np_random.random())
+        return obs, reward, terminated, self.t >= self.max_len, info

@@ -1,0 +1,471 @@
+# PPO (CleanRL's ppo.py, https://docs.cleanrl.dev/rl-algorithms/ppo/#ppopy) acting with local policy copies in
+# clusterenv workers, under several weight-sync strategies: EveryUpdate, FixedInterval(n) and APS(threshold).
+# The question (issue 3): does APS reach EveryUpdate's return with >= 5x fewer weight pulls?
+#
+#   python benchmarks/aps_sweep.py                                  # the main sweep (see Args for the budget)
+#   python benchmarks/aps_sweep.py --ratio behaviour --name aps_sweep_behaviour \
+#       --strategies every fixed:4 aps:0.002 aps:0.005 aps:0.02 --seeds 1 2 3   # the ppo.py ratio, see below
+#   python benchmarks/aps_sweep.py --total-timesteps 8192 --seeds 1  # a smoke run
+#   python benchmarks/aps_sweep.py --plot-only                      # redraw table and plots from the JSON
+#
+# Differences from ppo.py, all forced by acting in the workers: the rollout comes from `PolicyRunner.rollout`,
+# values are computed on the learner after the rollout, NEXT_STEP reset steps are masked out of the loss, and
+# truncated episodes bootstrap from their last observation. With a stale acting copy the PPO ratio needs a
+# reference policy: `--ratio behaviour` takes ppo.py's literally (ratio against the copy that acted). Then the
+# clip keeps the learner within PPO's trust region (KL ~0.01) of the *acting* copy, so APS with a threshold
+# above that never pulls and training stalls. `--ratio decoupled` (the default) clips against the learner's own
+# pre-update policy and weights each sample by min(pi_learner / pi_acting, 1) (Hilton et al. 2021, "Batch
+# size-invariance for policy optimization"): the learner can move away from a stale copy, and APS decides when
+# the copy is too far behind. With EveryUpdate both are ppo.py (the weight is 1, the two policies are one).
+import json
+import logging
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.optim as optim
+import tyro
+from torch.distributions.categorical import Categorical
+
+import clusterenv
+from clusterenv import APS, EveryUpdate, FixedInterval, Never, PolicyRunner
+
+log = logging.getLogger("aps_sweep")
+
+
+@dataclass
+class Args:
+    env_ids: list[str] = field(default_factory=lambda: ["CartPole-v1"])
+    """environments to train on"""
+    strategies: list[str] = field(
+        default_factory=lambda: [
+            "every",
+            "fixed:2",
+            "fixed:4",
+            "fixed:8",
+            "aps:0.005",
+            "aps:0.01",
+            "aps:0.02",
+            "aps:0.05",
+        ]
+    )
+    """sync strategies: every, never, fixed:N (FixedInterval(N)), aps:T (APS(threshold=T))"""
+    seeds: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
+    """seeds per strategy"""
+    total_timesteps: int = 100_000
+    """env steps per run (reset steps included, as in CleanRL)"""
+    num_envs: int = 8
+    """parallel envs"""
+    num_workers: int = 2
+    """clusterenv worker processes"""
+    num_steps: int = 128
+    """steps per env per rollout"""
+    learning_rate: float = 1e-3
+    """Adam learning rate (annealed to 0)"""
+    anneal_lr: bool = True
+    """anneal the learning rate linearly"""
+    gamma: float = 0.99
+    """discount"""
+    gae_lambda: float = 0.95
+    """GAE lambda"""
+    num_minibatches: int = 4
+    """minibatches per epoch"""
+    update_epochs: int = 4
+    """epochs per update"""
+    norm_adv: bool = True
+    """normalize advantages"""
+    clip_coef: float = 0.2
+    """surrogate clipping coefficient"""
+    clip_vloss: bool = True
+    """clipped value loss"""
+    ent_coef: float = 0.01
+    """entropy coefficient"""
+    vf_coef: float = 0.5
+    """value loss coefficient"""
+    max_grad_norm: float = 0.5
+    """gradient clipping"""
+    ratio: str = "decoupled"
+    """PPO ratio against: "behaviour" (the copy that acted, as ppo.py does) or "decoupled" (the learner's policy
+    before this update, with the data weighted by min(pi_learner / pi_behaviour, is_clip); Hilton et al. 2021)"""
+    is_clip: float = 1.0
+    """with --ratio decoupled: truncation of the importance weight pi_learner / pi_behaviour"""
+    probe_steps: int = 16
+    """steps per worker whose observations the KL is measured on"""
+    return_window: int = 20
+    """episodes in the rolling mean return"""
+    solved_return: float | None = None
+    """rolling mean return that counts as solved; default: 475 on CartPole-v1 (its threshold), -100 on Acrobot-v1"""
+    final_fraction: float = 0.1
+    """the final return is the mean over episodes ending in this last fraction of training"""
+    out_dir: str = "benchmarks/results"
+    """where NAME.json, NAME.md, NAME_returns.png and NAME_tradeoff.png go"""
+    name: str = "aps_sweep"
+    """file name stem of the outputs"""
+    plot_only: bool = False
+    """skip training; redraw from the JSON in out_dir"""
+
+
+def make_strategy(spec):
+    name, _, value = spec.partition(":")
+    if name == "every":
+        return EveryUpdate()
+    if name == "never":
+        return Never()
+    if name == "fixed":
+        return FixedInterval(int(value))
+    if name == "aps":
+        return APS(threshold=float(value))
+    raise SystemExit(f"error: unknown strategy {spec!r}; use every, never, fixed:N or aps:T")
+
+
+def label(spec):
+    name, _, value = spec.partition(":")
+    return {"every": "EveryUpdate", "never": "Never", "fixed": f"FixedInterval({value})", "aps": f"APS({value})"}[name]
+
+
+def layer_init(layer, std=2**0.5, bias_const=0.0):
+    torch.nn.init.orthogonal_(layer.weight, std)
+    torch.nn.init.constant_(layer.bias, bias_const)
+    return layer
+
+
+class Agent(nn.Module):
+    def __init__(self, envs):
+        super().__init__()
+        obs_size = int(np.array(envs.single_observation_space.shape).prod())
+        self.critic = nn.Sequential(
+            layer_init(nn.Linear(obs_size, 64)),
+            nn.Tanh(),
+            layer_init(nn.Linear(64, 64)),
+            nn.Tanh(),
+            layer_init(nn.Linear(64, 1), std=1.0),
+        )
+        self.actor = nn.Sequential(
+            layer_init(nn.Linear(obs_size, 64)),
+            nn.Tanh(),
+            layer_init(nn.Linear(64, 64)),
+            nn.Tanh(),
+            layer_init(nn.Linear(64, envs.single_action_space.n), std=0.01),
+        )
+
+    def get_value(self, x):
+        return self.critic(x)
+
+    def get_action_and_value(self, x, action):
+        probs = Categorical(logits=self.actor(x))
+        return action, probs.log_prob(action), probs.entropy(), self.critic(x)
+
+
+def advantages_and_returns(args, batch, values, next_value):
+    """GAE over a NEXT_STEP rollout: reset steps get no advantage and cut the trace."""
+    rewards = torch.as_tensor(batch.rewards, dtype=torch.float32)
+    terminated = torch.as_tensor(batch.terminations, dtype=torch.float32)
+    done = torch.as_tensor(batch.terminations | batch.truncations, dtype=torch.float32)
+    reset_step = torch.as_tensor(batch.autoreset)
+    advantages = torch.zeros_like(rewards)
+    lastgaelam = torch.zeros_like(next_value)
+    for t in reversed(range(args.num_steps)):
+        # After a truncation obs[t + 1] is the episode's last observation (NEXT_STEP), so bootstrap from it.
+        nextvalues = next_value if t == args.num_steps - 1 else values[t + 1]
+        delta = rewards[t] + args.gamma * nextvalues * (1.0 - terminated[t]) - values[t]
+        lastgaelam = delta + args.gamma * args.gae_lambda * (1.0 - done[t]) * lastgaelam
+        lastgaelam = torch.where(reset_step[t], torch.zeros_like(lastgaelam), lastgaelam)
+        advantages[t] = lastgaelam
+    return advantages, advantages + values
+
+
+def solved_return(args, envs):
+    if args.solved_return is not None:
+        return args.solved_return
+    return {"CartPole-v1": 475.0, "Acrobot-v1": -100.0}.get(envs.spec.id, float("inf"))
+
+
+def train(args, envs, spec, seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    agent = Agent(envs)
+    optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
+    envs.reset(seed=seed)
+    runner = PolicyRunner(envs, agent.actor, make_strategy(spec), seed=seed, probe_steps=args.probe_steps)
+    batch_size = args.num_envs * args.num_steps
+    num_iterations = args.total_timesteps // batch_size
+    global_step, start = 0, time.time()
+    episodes, curve, kls = [], [], []
+    for iteration in range(1, num_iterations + 1):
+        if args.anneal_lr:
+            optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
+        batch = runner.rollout(args.num_steps)
+        for t, _env, ret, _length in batch.episodes():
+            episodes.append((global_step + (t + 1) * args.num_envs, ret))
+        global_step += batch_size
+
+        obs = torch.as_tensor(batch.obs)
+        with torch.no_grad():
+            values = agent.get_value(obs).squeeze(-1)
+            next_value = agent.get_value(torch.as_tensor(batch.next_obs)).squeeze(-1)
+        advantages, returns = advantages_and_returns(args, batch, values, next_value)
+
+        # Reset steps carry no transition (the env ignored the action): leave them out of the loss.
+        valid = torch.as_tensor(~batch.autoreset).reshape(-1)
+        b_obs = obs.reshape((-1,) + envs.single_observation_space.shape)[valid]
+        b_actions = torch.as_tensor(batch.actions).reshape(-1)[valid]
+        b_logprobs = torch.as_tensor(batch.logprobs).reshape(-1)[valid]
+        b_weights = torch.ones_like(b_logprobs)
+        if args.ratio == "decoupled":
+            # Clip against the learner's own pre-update policy; correct for the stale acting copy by weighting.
+            with torch.no_grad():
+                _, prox_logprobs, _, _ = agent.get_action_and_value(b_obs, b_actions)
+            b_weights = torch.clamp((prox_logprobs - b_logprobs).exp(), max=args.is_clip)
+            b_logprobs = prox_logprobs
+        b_advantages = advantages.reshape(-1)[valid]
+        b_returns = returns.reshape(-1)[valid]
+        b_values = values.reshape(-1)[valid]
+        b_inds = np.arange(len(b_obs))
+        clipfracs = []
+        for _epoch in range(args.update_epochs):
+            np.random.shuffle(b_inds)
+            # Masking reset steps leaves a batch size that rarely divides evenly: near-equal minibatches.
+            for mb_inds in np.array_split(b_inds, args.num_minibatches):
+                _, newlogprob, entropy, newvalue = agent.get_action_and_value(b_obs[mb_inds], b_actions[mb_inds])
+                logratio = newlogprob - b_logprobs[mb_inds]
+                ratio = logratio.exp()
+                with torch.no_grad():
+                    approx_kl = ((ratio - 1) - logratio).mean()
+                    clipfracs += [((ratio - 1.0).abs() > args.clip_coef).float().mean().item()]
+                mb_advantages = b_advantages[mb_inds]
+                if args.norm_adv:
+                    mb_advantages = (mb_advantages - mb_advantages.mean()) / (mb_advantages.std() + 1e-8)
+                pg_loss1 = -mb_advantages * ratio
+                pg_loss2 = -mb_advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
+                pg_loss = (b_weights[mb_inds] * torch.max(pg_loss1, pg_loss2)).mean()
+                newvalue = newvalue.view(-1)
+                if args.clip_vloss:
+                    v_loss_unclipped = (newvalue - b_returns[mb_inds]) ** 2
+                    v_clipped = b_values[mb_inds] + torch.clamp(
+                        newvalue - b_values[mb_inds], -args.clip_coef, args.clip_coef
+                    )
+                    v_loss_clipped = (v_clipped - b_returns[mb_inds]) ** 2
+                    v_loss = 0.5 * torch.max(v_loss_unclipped, v_loss_clipped).mean()
+                else:
+                    v_loss = 0.5 * ((newvalue - b_returns[mb_inds]) ** 2).mean()
+                entropy_loss = entropy.mean()
+                loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
+                optimizer.zero_grad()
+                loss.backward()
+                nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+                optimizer.step()
+        runner.publish(agent.actor)
+
+        recent = [ret for _, ret in episodes[-args.return_window :]]
+        telemetry = runner.telemetry.total
+        kls.append(telemetry.last_kl)
+        curve.append(
+            {
+                "step": global_step,
+                "mean_return": float(np.mean(recent)) if recent else None,
+                "pulls": telemetry.pulls,
+                "approx_kl": float(approx_kl),
+                "clipfrac": float(np.mean(clipfracs)),
+            }
+        )
+    telemetry = runner.telemetry
+    total = telemetry.total
+    final_from = args.total_timesteps * (1 - args.final_fraction)
+    final = [ret for step, ret in episodes if step >= final_from]
+    solved_at = next(
+        (
+            step
+            for i, (step, _) in enumerate(episodes)
+            if i + 1 >= args.return_window
+            and np.mean([r for _, r in episodes[i + 1 - args.return_window : i + 1]]) >= solved_return(args, envs)
+        ),
+        None,
+    )
+    return {
+        "strategy": spec,
+        "seed": seed,
+        "updates": num_iterations,
+        "env_steps": global_step,
+        "final_return": float(np.mean(final)) if final else None,
+        "solved_at": solved_at,
+        "solved_return": solved_return(args, envs),
+        "pulls_per_worker": total.pulls / envs.num_workers,
+        "pulls": total.pulls,
+        "weight_bytes": total.weight_bytes,
+        "probe_bytes": total.probe_bytes,
+        "initial_bytes": total.initial_bytes,
+        "mean_lag": total.mean_lag,
+        "lag_counts": {str(k): v for k, v in sorted(total.lag_counts.items())},
+        "mean_kl": total.mean_kl,
+        "wall_s": time.time() - start,
+        "curve": curve,
+    }
+
+
+def mean_spread(values):
+    values = [v for v in values if v is not None]
+    if not values:
+        return "n/a"
+    return f"{np.mean(values):.1f} ± {np.std(values):.1f}"
+
+
+def write_report(args, results):
+    lines = [
+        "# APS sweep: PPO with local policies on clusterenv workers",
+        "",
+        f"{len(args.seeds)} seeds x {args.total_timesteps} env steps per run, {args.num_envs} envs on "
+        f"{args.num_workers} workers, {args.num_steps} steps per rollout (one update per rollout), PPO ratio "
+        f"against the {args.ratio} policy, learning rate {args.learning_rate} annealed. "
+        f"Final return: mean episodic training return over the last {args.final_fraction:.0%} of steps, "
+        "mean ± std over seeds. Pulls and lag: per worker, mean over seeds. Bytes: all workers, weights pulled "
+        "(+ learner logits sent for KL checks). Produced by `benchmarks/aps_sweep.py`.",
+        "",
+    ]
+    for env_id in sorted({r["env_id"] for r in results}):
+        rows = [r for r in results if r["env_id"] == env_id]
+        every = [r["pulls_per_worker"] for r in rows if r["strategy"] == "every"]
+        lines += [
+            f"## {env_id}",
+            "",
+            f"| strategy | final return | steps to {rows[0].get('solved_return', 475.0):g} (solved seeds) | pulls/worker "
+            "| pull reduction vs EveryUpdate "
+            "| weight MB (+ probe MB) | mean lag | mean KL |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for spec in args.strategies:
+            runs = [r for r in rows if r["strategy"] == spec]
+            if not runs:
+                continue
+            solved = [r["solved_at"] for r in runs if r["solved_at"] is not None]
+            solved_text = f"{np.mean(solved):,.0f} ({len(solved)}/{len(runs)})" if solved else f"never (0/{len(runs)})"
+            pulls = np.mean([r["pulls_per_worker"] for r in runs])
+            reduction = f"{np.mean(every) / pulls:.1f}x" if every and pulls else "n/a"
+            weight_mb = np.mean([r["weight_bytes"] for r in runs]) / 1e6
+            probe_mb = np.mean([r["probe_bytes"] for r in runs]) / 1e6
+            kl = [r["mean_kl"] for r in runs if r["mean_kl"] is not None]
+            kl_text = f"{np.mean(kl):.4f}" if kl else "n/a"
+            lag = np.mean([r["mean_lag"] for r in runs])
+            lines.append(
+                f"| {label(spec)} | {mean_spread([r['final_return'] for r in runs])} | {solved_text} | {pulls:.1f} "
+                f"| {reduction} | {weight_mb:.2f} (+ {probe_mb:.2f}) | {lag:.2f} | {kl_text} |"
+            )
+        wall = sum(r["wall_s"] for r in rows)
+        lines += ["", f"Training wall time for {env_id}: {wall / 60:.1f} min over {len(rows)} runs.", ""]
+    path = os.path.join(args.out_dir, f"{args.name}.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    return path
+
+
+def plot(args, results):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    env_ids = sorted({r["env_id"] for r in results})
+    fig, axes = plt.subplots(1, len(env_ids), figsize=(7 * len(env_ids), 4.5), squeeze=False)
+    for ax, env_id in zip(axes[0], env_ids, strict=True):
+        for spec in args.strategies:
+            runs = [r for r in results if r["env_id"] == env_id and r["strategy"] == spec]
+            if not runs:
+                continue
+            steps = [p["step"] for p in runs[0]["curve"]]
+            curves = np.array(
+                [[np.nan if p["mean_return"] is None else p["mean_return"] for p in r["curve"]] for r in runs]
+            )
+            mean = np.nanmean(curves, axis=0)
+            style = "-" if spec.startswith("aps") else "--" if spec.startswith("fixed") else "-."
+            (line,) = ax.plot(steps, mean, style, label=label(spec))
+            ax.fill_between(
+                steps, np.nanmin(curves, axis=0), np.nanmax(curves, axis=0), color=line.get_color(), alpha=0.1
+            )
+        ax.set_title(f"PPO {env_id}: rolling mean return (mean over seeds, min-max shaded)")
+        ax.set_xlabel("env steps")
+        ax.set_ylabel("episodic return")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    curves_path = os.path.join(args.out_dir, f"{args.name}_returns.png")
+    fig.savefig(curves_path, dpi=110)
+
+    fig, axes = plt.subplots(1, len(env_ids), figsize=(7 * len(env_ids), 4.5), squeeze=False)
+    for ax, env_id in zip(axes[0], env_ids, strict=True):
+        for spec in args.strategies:
+            runs = [r for r in results if r["env_id"] == env_id and r["strategy"] == spec]
+            if not runs:
+                continue
+            pulls = [r["pulls_per_worker"] for r in runs]
+            finals = [r["final_return"] if r["final_return"] is not None else np.nan for r in runs]
+            marker = "o" if spec.startswith("aps") else "s" if spec.startswith("fixed") else "^"
+            ax.errorbar(
+                np.mean(pulls), np.nanmean(finals), yerr=np.nanstd(finals), fmt=marker, capsize=3, label=label(spec)
+            )
+        ax.set_xscale("symlog", linthresh=1)
+        ax.set_title(f"{env_id}: weight pulls vs final return (mean ± std over seeds)")
+        ax.set_xlabel("weight pulls per worker (log scale)")
+        ax.set_ylabel("final episodic return")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    tradeoff_path = os.path.join(args.out_dir, f"{args.name}_tradeoff.png")
+    fig.savefig(tradeoff_path, dpi=110)
+    plt.close("all")
+    return curves_path, tradeoff_path
+
+
+def main():
+    args = tyro.cli(Args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    os.makedirs(args.out_dir, exist_ok=True)
+    json_path = os.path.join(args.out_dir, f"{args.name}.json")
+    for spec in args.strategies:
+        make_strategy(spec)  # bad specs fail before any worker starts
+    if args.ratio not in ("behaviour", "decoupled"):
+        raise SystemExit(f"error: --ratio must be behaviour or decoupled, got {args.ratio!r}")
+    if args.plot_only:
+        with open(json_path) as f:
+            saved = json.load(f)
+        results = saved["results"]
+    else:
+        # The learner takes one core; the workers share the rest.
+        torch.set_num_threads(1)
+        results, sweep_start = [], time.time()
+        for env_id in args.env_ids:
+            envs = clusterenv.make_vec(
+                env_id,
+                num_envs=args.num_envs,
+                vector_kwargs={"num_workers": args.num_workers},
+                wrappers=[gym.wrappers.RecordEpisodeStatistics],
+            )
+            try:
+                for seed in args.seeds:
+                    for spec in args.strategies:
+                        result = train(args, envs, spec, seed)
+                        result["env_id"] = env_id
+                        results.append(result)
+                        log.info(
+                            "%s %-16s seed %d: final %s, solved at %s, %.0f pulls/worker, lag %.2f, %.0f s",
+                            env_id,
+                            label(spec),
+                            seed,
+                            result["final_return"],
+                            result["solved_at"],
+                            result["pulls_per_worker"],
+                            result["mean_lag"],
+                            result["wall_s"],
+                        )
+                        with open(json_path, "w") as f:
+                            json.dump({"args": asdict(args), "results": results}, f)
+            finally:
+                envs.close()
+        log.info("Sweep took %.1f min.", (time.time() - sweep_start) / 60)
+    log.info("Wrote %s, %s", write_report(args, results), ", ".join(plot(args, results)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""Env factories for the benchmarks, importable by any worker process (no clusterenv imports).
+
+``BurnEnv`` is a synthetic environment whose ``step`` burns a fixed amount of CPU time. It stands in for an expensive simulator: each step spins until this thread has used
+``step_cpu_ms`` of CPU (thread CPU time, not wall time, so that a step that is preempted
+by another process still costs the full amount of work). Kept free of clusterenv imports
+so that workers, ``AsyncVectorEnv`` subprocesses and ``SyncVectorEnv`` all run the same code.
+
+``make_atari`` registers ale-py's envs first: a fresh worker process has not imported it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+__all__ = ["BurnEnv", "make_atari"]
+
+
+class BurnEnv(gym.Env):
+    """Observations are 4 floats, actions ``Discrete(2)``; episodes last ``episode_steps`` steps."""
+
+    metadata: dict[str, Any] = {"render_modes": []}
+
+    def __init__(self, step_cpu_ms: float = 1.0, episode_steps: int = 200) -> None:
+        self.step_cpu_s = step_cpu_ms / 1000.0
+        self.episode_steps = episode_steps
+        self.observation_space = gym.spaces.Box(-1.0, 1.0, shape=(4,), dtype=np.float32)
+        self.action_space = gym.spaces.Discrete(2)
+        self._t = 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict]:
+        super().reset(seed=seed)
+        self._t = 0
+        return self.np_random.uniform(-1.0, 1.0, size=4).astype(np.float32), {}
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict]:
+        end = time.thread_time() + self.step_cpu_s
+        while time.thread_time() < end:
+            pass
+        self._t += 1
+        obs = self.np_random.uniform(-1.0, 1.0, size=4).astype(np.float32)
+        return obs, float(action), self._t >= self.episode_steps, False, {}
+
+
+def make_atari(env_id: str, **kwargs: Any) -> gym.Env:
+    """``gym.make(env_id)`` for an ale-py id such as ``ALE/Pong-v5``, in any process."""
+    import ale_py
+
+    gym.register_envs(ale_py)
+    return gym.make(env_id, **kwargs)

@@ -1,0 +1,181 @@
+"""Shipping a torch policy to workers and running it there.
+
+A policy is a ``torch.nn.Module`` mapping a batch of observations ``(B, *obs_shape)`` to
+one output per action ``(B, A)`` (logits, or Q-values). It travels in two parts:
+
+* the *architecture*, once: the module cloudpickled with every tensor replaced by an
+  empty placeholder of the same shape and dtype, so no weight bytes hide in the pickle;
+* the *weights*, on every shipment or pull: each parameter and buffer (persistent or not)
+  as one raw array frame, in a fixed name order that both ends derive from the module.
+
+Workers run the module on CPU, in eval mode, under ``torch.inference_mode()``, with one
+intra-op thread (workers already are the parallelism). Floating observations are
+passed as float32; integer observations (images) unchanged, for the module to scale.
+
+This module imports torch; the rest of clusterenv imports it lazily, so workers that
+never receive a policy never pay for it.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from typing import Any
+
+import cloudpickle
+import numpy as np
+import torch
+from gymnasium import spaces
+from gymnasium.vector.utils import create_empty_array
+from torch import nn
+
+from clusterenv.errors import PolicyError
+
+__all__ = [
+    "LocalPolicy",
+    "build_module",
+    "load_weights",
+    "pack_architecture",
+    "policy_tensors",
+    "snapshot_weights",
+    "validate_policy",
+]
+
+logger = logging.getLogger(__name__)
+
+_PROBE_BATCH = 2
+
+
+def _placeholder(shape: tuple[int, ...], dtype: str, requires_grad: bool, is_parameter: bool) -> torch.Tensor:
+    tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+    return nn.Parameter(tensor, requires_grad=requires_grad) if is_parameter else tensor
+
+
+class _ArchitecturePickler(cloudpickle.Pickler):
+    """cloudpickle, with tensors reduced to placeholders: the weights travel as array frames."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            dtype = str(obj.dtype).removeprefix("torch.")
+            return _placeholder, (tuple(obj.shape), dtype, obj.requires_grad, isinstance(obj, nn.Parameter))
+        return super().reducer_override(obj)
+
+
+def pack_architecture(module: nn.Module) -> bytes:
+    """The module's pickled architecture (no weight bytes); :class:`PolicyError` if it cannot be pickled."""
+    buffer = io.BytesIO()
+    try:
+        _ArchitecturePickler(buffer).dump(module)
+    except Exception as exc:
+        raise PolicyError(
+            f"The policy {type(module).__name__} cannot be pickled with cloudpickle, so it cannot be sent to "
+            f"workers: {type(exc).__name__}: {exc}. Keep locks, files, sockets and generators out of the module."
+        ) from exc
+    return buffer.getvalue()
+
+
+def build_module(architecture: bytes) -> nn.Module:
+    """Unpickle an architecture from :func:`pack_architecture`; its tensors are uninitialised until loaded."""
+    module = cloudpickle.loads(architecture)
+    if not isinstance(module, nn.Module):
+        raise PolicyError(f"The shipped policy is a {type(module).__name__}, not a torch.nn.Module.")
+    return module.eval()
+
+
+def policy_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer by name, tied tensors once: what a weight shipment carries."""
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+
+
+def snapshot_weights(module: nn.Module) -> tuple[list[str], list[np.ndarray]]:
+    """Names and private numpy copies of the module's tensors (later training does not change them)."""
+    names, arrays = [], []
+    for name, tensor in policy_tensors(module).items():
+        try:
+            array = tensor.detach().cpu().numpy().copy()
+        except TypeError as exc:
+            raise PolicyError(
+                f"Policy tensor `{name}` has dtype {tensor.dtype}, which has no numpy equivalent to travel as "
+                "raw bytes; cast the policy to float32 (or float16) before handing it over."
+            ) from exc
+        names.append(name)
+        arrays.append(np.ascontiguousarray(array))
+    return names, arrays
+
+
+def load_weights(module: nn.Module, names: list[str], arrays: list[np.ndarray]) -> None:
+    """Copy shipped arrays into the module's tensors, checking names and shapes."""
+    tensors = policy_tensors(module)
+    if list(tensors) != list(names):
+        raise PolicyError(
+            f"Weights name the tensors {list(names)[:6]}..., but the policy has {list(tensors)[:6]}...: "
+            "publish a module with the architecture that was shipped."
+        )
+    with torch.no_grad():
+        for name, array in zip(names, arrays, strict=True):
+            target = tensors[name]
+            if tuple(target.shape) != array.shape:
+                raise PolicyError(
+                    f"Weights for `{name}` have shape {array.shape}, but the shipped policy expects {tuple(target.shape)}."
+                )
+            # Received frames are read-only; torch wants writable memory to wrap.
+            target.copy_(torch.from_numpy(np.array(array)))
+
+
+def _as_input(obs: np.ndarray) -> torch.Tensor:
+    if obs.dtype.kind == "f" and obs.dtype != np.float32:
+        obs = obs.astype(np.float32)
+    elif not obs.flags.writeable:
+        obs = obs.copy()
+    return torch.from_numpy(obs)
+
+
+class LocalPolicy:
+    """A shipped module plus its version: numpy observations in, float32 outputs ``(B, A)`` out."""
+
+    def __init__(self, architecture: bytes, names: list[str], arrays: list[np.ndarray], version: int) -> None:
+        self.module = build_module(architecture)
+        self.names = list(names)
+        self.load(arrays, version)
+
+    def load(self, arrays: list[np.ndarray], version: int) -> None:
+        """Replace the weights; ``version`` is the learner version they came from."""
+        load_weights(self.module, self.names, arrays)
+        self.version = version
+
+    def outputs(self, obs: np.ndarray) -> np.ndarray:
+        """The module's outputs on a batch of observations."""
+        with torch.inference_mode():
+            out = self.module(_as_input(obs))
+        return out.detach().to(torch.float32).numpy()
+
+
+def validate_policy(module: nn.Module, observation_space: spaces.Space, action_space: spaces.Space) -> None:
+    """Raise :class:`PolicyError` unless ``module`` maps batched observations to ``(B, action_space.n)``.
+
+    Run it on a CPU copy (:func:`build_module` plus :func:`load_weights`): it calls the module.
+    """
+    if not isinstance(action_space, spaces.Discrete):
+        raise PolicyError(
+            f"Local policies need a Discrete action space (one output per action), but the envs have {action_space}."
+        )
+    if not isinstance(observation_space, (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)):
+        raise PolicyError(
+            f"Local policies take one observation array, but the envs have observation space {observation_space}."
+        )
+    obs = np.asarray(create_empty_array(observation_space, n=_PROBE_BATCH, fn=np.zeros))
+    try:
+        with torch.inference_mode():
+            out = module(_as_input(obs))
+    except Exception as exc:
+        raise PolicyError(
+            f"The policy raised {type(exc).__name__} on a batch of observations of shape {obs.shape} and dtype "
+            f"{obs.dtype}: {exc}"
+        ) from exc
+    expected = (_PROBE_BATCH, int(action_space.n))
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != expected or not out.is_floating_point():
+        got = f"shape {tuple(out.shape)} and dtype {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise PolicyError(
+            f"The policy must map a batch of {_PROBE_BATCH} observations to floating outputs of shape {expected} "
+            f"(one logit or Q-value per action of {action_space}), got {got}."
+        )

@@ -1,0 +1,324 @@
+# CleanRL's dqn.py (https://docs.cleanrl.dev/rl-algorithms/dqn/#dqnpy) with the envs in clusterenv workers.
+# The one change that matters is the vector env class: `--backend gym` runs the Gymnasium original.
+import csv
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.optim as optim
+import tyro
+from tqdm import tqdm
+
+import clusterenv
+
+try:
+    from torch.utils.tensorboard import SummaryWriter
+except ImportError:  # TensorBoard is optional: episodes.csv and the PNG are always written
+    SummaryWriter = None
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.use_deterministic_algorithms(True)` (same seed, same results)"""
+    torch_threads: int = 1
+    """torch CPU threads; one is fastest for this small network and leaves the other cores to the envs"""
+    backend: Literal["clusterenv", "gym"] = "clusterenv"
+    """`clusterenv.ClusterEnv` (envs in worker processes) or `gym.vector.SyncVectorEnv` (the Gymnasium original)"""
+    runs_dir: str = "runs"
+    """where `<run_name>/episodes.csv` and `<run_name>/learning_curve.png` go"""
+
+    # Algorithm specific arguments
+    env_id: str = "CartPole-v1"
+    """the id of the environment"""
+    total_timesteps: int = 200000
+    """total timesteps of the experiments"""
+    learning_rate: float = 2.5e-4
+    """the learning rate of the optimizer"""
+    num_envs: int = 4
+    """the number of parallel game environments"""
+    buffer_size: int = 10000
+    """the replay memory buffer size"""
+    gamma: float = 0.99
+    """the discount factor gamma"""
+    tau: float = 1.0
+    """the target network update rate"""
+    target_network_frequency: int = 125
+    """the iterations (vector env steps) it takes to update the target network"""
+    batch_size: int = 128
+    """the batch size of sample from the reply memory"""
+    start_e: float = 1
+    """the starting epsilon for exploration"""
+    end_e: float = 0.05
+    """the ending epsilon for exploration"""
+    exploration_fraction: float = 0.5
+    """the fraction of `total-timesteps` it takes from start-e to go end-e"""
+    learning_starts: int = 5000
+    """timestep to start learning"""
+    train_frequency: int = 2
+    """the iterations (vector env steps) between gradient steps"""
+    return_window: int = 100
+    """episodes averaged for the reported mean episodic return"""
+
+
+def check_args(args):
+    """Bad CLI input ends here with a one-line error, before any worker starts."""
+    if args.num_envs < 1:
+        raise SystemExit(f"error: --num-envs must be at least 1, got {args.num_envs}")
+    if args.train_frequency < 1 or args.target_network_frequency < 1:
+        raise SystemExit("error: --train-frequency and --target-network-frequency must be at least 1")
+    if args.batch_size > args.buffer_size:
+        raise SystemExit(f"error: --batch-size ({args.batch_size}) must not exceed --buffer-size ({args.buffer_size})")
+    try:
+        spec = gym.spec(args.env_id)
+    except gym.error.Error as exc:
+        raise SystemExit(f"error: --env-id {args.env_id!r}: {exc}") from None
+    probe = gym.make(spec)
+    space = probe.action_space
+    probe.close()
+    if not isinstance(space, gym.spaces.Discrete):
+        raise SystemExit(f"error: --env-id {args.env_id!r} has action space {space}; this script needs Discrete")
+
+
+def make_env(env_id, seed, idx, run_name):
+    def thunk():
+        env = gym.make(env_id)
+        env = gym.wrappers.RecordEpisodeStatistics(env)
+        env.action_space.seed(seed)
+
+        return env
+
+    return thunk
+
+
+# ALGO LOGIC: initialize agent here:
+class QNetwork(nn.Module):
+    def __init__(self, env):
+        super().__init__()
+        self.network = nn.Sequential(
+            nn.Linear(np.array(env.single_observation_space.shape).prod(), 120),
+            nn.ReLU(),
+            nn.Linear(120, 84),
+            nn.ReLU(),
+            nn.Linear(84, env.single_action_space.n),
+        )
+
+    def forward(self, x):
+        return self.network(x)
+
+
+def linear_schedule(start_e: float, end_e: float, duration: int, t: int):
+    slope = (end_e - start_e) / duration
+    return max(slope * t + start_e, end_e)
+
+
+class ReplayBuffer:
+    """A ring buffer of (obs, next_obs, action, reward, termination) rows, sampled uniformly."""
+
+    def __init__(self, size, observation_space, device):
+        self.size, self.pos, self.full, self.device = size, 0, False, device
+        self.obs = np.zeros((size, *observation_space.shape), dtype=observation_space.dtype)
+        self.next_obs = np.zeros_like(self.obs)
+        self.actions = np.zeros((size, 1), dtype=np.int64)
+        self.rewards = np.zeros((size, 1), dtype=np.float32)
+        self.dones = np.zeros((size, 1), dtype=np.float32)
+
+    def add(self, obs, next_obs, actions, rewards, terminations):
+        for row in zip(obs, next_obs, actions, rewards, terminations, strict=True):
+            (
+                self.obs[self.pos],
+                self.next_obs[self.pos],
+                self.actions[self.pos],
+                self.rewards[self.pos],
+                self.dones[self.pos],
+            ) = row
+            self.pos = (self.pos + 1) % self.size
+            self.full = self.full or self.pos == 0
+
+    def sample(self, batch_size):
+        idx = np.random.randint(0, self.size if self.full else self.pos, size=batch_size)
+        as_tensor = lambda a: torch.as_tensor(a[idx], device=self.device)  # noqa: E731
+        return (
+            as_tensor(self.obs).float(),
+            as_tensor(self.actions),
+            as_tensor(self.next_obs).float(),
+            as_tensor(self.dones),
+            as_tensor(self.rewards),
+        )
+
+
+class EpisodeLog:
+    """Episode statistics to `episodes.csv`, the progress bar, TensorBoard (if installed) and a PNG."""
+
+    def __init__(self, run_dir, total_timesteps, window):
+        os.makedirs(run_dir, exist_ok=True)
+        self.run_dir, self.window, self.start = run_dir, window, time.time()
+        self.file = open(os.path.join(run_dir, "episodes.csv"), "w", newline="")
+        self.csv = csv.writer(self.file)
+        self.csv.writerow(["global_step", "env", "episodic_return", "episodic_length", "wall_time_s"])
+        self.steps, self.returns = [], []
+        self.writer = SummaryWriter(run_dir) if SummaryWriter is not None else None
+        self.bar = tqdm(total=total_timesteps, unit="step", unit_scale=True, dynamic_ncols=True, mininterval=1.0)
+
+    def record(self, global_step, infos):
+        # RecordEpisodeStatistics runs inside each env (in the workers, for ClusterEnv). With NEXT_STEP
+        # autoreset its `episode` info comes with the step that ended the episode; with SAME_STEP it
+        # is under `final_info`, because the step's own info is that of the reset.
+        for info in (infos, infos.get("final_info", {})):
+            if "_episode" not in info:
+                continue
+            for i in np.flatnonzero(info["_episode"]):
+                ret, length = float(info["episode"]["r"][i]), int(info["episode"]["l"][i])
+                self.csv.writerow([global_step, int(i), ret, length, round(time.time() - self.start, 3)])
+                self.steps.append(global_step)
+                self.returns.append(ret)
+                if self.writer is not None:
+                    self.writer.add_scalar("charts/episodic_return", ret, global_step)
+                    self.writer.add_scalar("charts/episodic_length", length, global_step)
+
+    def mean_return(self):
+        return float(np.mean(self.returns[-self.window :])) if self.returns else float("nan")
+
+    def progress(self, global_step, scalars, **postfix):
+        if self.writer is not None:
+            for tag, value in scalars.items():
+                self.writer.add_scalar(tag, value, global_step)
+        self.bar.set_postfix(episodes=len(self.returns), ret=f"{self.mean_return():.1f}", **postfix, refresh=False)
+        self.bar.update(global_step - self.bar.n)
+
+    def close(self, title):
+        self.bar.close()
+        self.file.close()
+        if self.writer is not None:
+            self.writer.close()
+        # The Figure API needs no display and no global pyplot state.
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(7, 4), layout="tight")
+        ax = fig.subplots()
+        ax.plot(self.steps, self.returns, ".", alpha=0.3, label="episode")
+        if self.returns:
+            kernel = min(self.window, len(self.returns))
+            rolling = np.convolve(self.returns, np.ones(kernel) / kernel, mode="valid")
+            ax.plot(self.steps[kernel - 1 :], rolling, label=f"mean of {kernel}")
+        ax.set(title=title, xlabel="global step", ylabel="episodic return")
+        ax.legend(loc="lower right")
+        fig.savefig(os.path.join(self.run_dir, "learning_curve.png"), dpi=100)
+        print(
+            f"{len(self.returns)} episodes in {time.time() - self.start:.0f} s; mean episodic return of the "
+            f"last {min(self.window, len(self.returns))}: {self.mean_return():.1f}; logs in {self.run_dir}"
+        )
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    check_args(args)
+    run_name = f"{args.env_id}__{args.exp_name}__{args.backend}__{args.seed}__{int(time.time())}".replace("/", "-")
+
+    # TRY NOT TO MODIFY: seeding
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.use_deterministic_algorithms(args.torch_deterministic)
+    torch.set_num_threads(args.torch_threads)
+
+    device = torch.device("cpu")
+
+    # env setup: the Gymnasium original is `envs = gym.vector.SyncVectorEnv([...], autoreset_mode=...)`.
+    # Gymnasium 1.x autoreset (CleanRL was written for 0.29): SAME_STEP resets a finished env within
+    # the step that ended it and puts the true last observation in infos["final_obs"], so every
+    # stored transition is real and truncated episodes bootstrap from their last observation. The
+    # default NEXT_STEP would instead spend the next step on the reset (reward 0, action ignored),
+    # a transition that would have to be kept out of the replay buffer.
+    VectorEnv = clusterenv.ClusterEnv if args.backend == "clusterenv" else gym.vector.SyncVectorEnv
+    envs = VectorEnv(
+        [make_env(args.env_id, args.seed + i, i, run_name) for i in range(args.num_envs)],
+        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
+    )
+    envs.single_action_space.seed(args.seed)
+
+    q_network = QNetwork(envs).to(device)
+    optimizer = optim.Adam(q_network.parameters(), lr=args.learning_rate)
+    target_network = QNetwork(envs).to(device)
+    target_network.load_state_dict(q_network.state_dict())
+
+    rb = ReplayBuffer(args.buffer_size, envs.single_observation_space, device)
+    num_iterations = args.total_timesteps // args.num_envs
+    log = EpisodeLog(os.path.join(args.runs_dir, run_name), num_iterations * args.num_envs, args.return_window)
+    start_time = time.time()
+    scalars = {}
+
+    # TRY NOT TO MODIFY: start the game
+    obs, _ = envs.reset(seed=args.seed)
+    for iteration in range(num_iterations):
+        global_step = iteration * args.num_envs
+        # ALGO LOGIC: put action logic here
+        epsilon = linear_schedule(
+            args.start_e, args.end_e, args.exploration_fraction * args.total_timesteps, global_step
+        )
+        if random.random() < epsilon:
+            actions = np.array([envs.single_action_space.sample() for _ in range(envs.num_envs)])
+        else:
+            with torch.no_grad():
+                q_values = q_network(torch.Tensor(obs).to(device))
+            actions = torch.argmax(q_values, dim=1).cpu().numpy()
+
+        # TRY NOT TO MODIFY: execute the game and log data.
+        next_obs, rewards, terminations, truncations, infos = envs.step(actions)
+
+        # TRY NOT TO MODIFY: record rewards for plotting purposes
+        log.record(global_step + args.num_envs, infos)
+
+        # TRY NOT TO MODIFY: save data to reply buffer; handle `final_obs`
+        real_next_obs = next_obs.copy()
+        for idx in np.flatnonzero(infos.get("_final_obs", ())):
+            real_next_obs[idx] = infos["final_obs"][idx]
+        rb.add(obs, real_next_obs, actions, rewards, terminations)
+
+        # TRY NOT TO MODIFY: CRUCIAL step easy to overlook
+        obs = next_obs
+
+        # ALGO LOGIC: training.
+        if global_step > args.learning_starts:
+            if iteration % args.train_frequency == 0:
+                observations, b_actions, next_observations, dones, b_rewards = rb.sample(args.batch_size)
+                with torch.no_grad():
+                    target_max, _ = target_network(next_observations).max(dim=1)
+                    td_target = b_rewards.flatten() + args.gamma * target_max * (1 - dones.flatten())
+                old_val = q_network(observations).gather(1, b_actions).squeeze()
+                loss = F.mse_loss(td_target, old_val)
+
+                # optimize the model
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                scalars = {"losses/td_loss": loss.item(), "losses/q_values": old_val.mean().item()}
+
+            # update target network
+            if iteration % args.target_network_frequency == 0:
+                for target_network_param, q_network_param in zip(
+                    target_network.parameters(), q_network.parameters(), strict=True
+                ):
+                    target_network_param.data.copy_(
+                        args.tau * q_network_param.data + (1.0 - args.tau) * target_network_param.data
+                    )
+
+        if iteration % 100 == 0:
+            scalars.update({"charts/epsilon": epsilon, "charts/SPS": int(global_step / (time.time() - start_time))})
+            log.progress(global_step + args.num_envs, scalars, eps=f"{epsilon:.2f}")
+            scalars = {}
+
+    log.progress(num_iterations * args.num_envs, {})
+    envs.close()
+    log.close(f"DQN {args.env_id} ({args.backend}, seed {args.seed})")

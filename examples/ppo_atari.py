@@ -1,0 +1,449 @@
+# CleanRL's ppo_atari.py (https://docs.cleanrl.dev/rl-algorithms/ppo/#ppo_ataripy) with the envs in clusterenv
+# workers. The one change that matters is the vector env class: `--backend gym` runs the Gymnasium original.
+# The Atari preprocessing runs inside the env thunk, so in the workers: only the stacked 4x84x84 uint8
+# frames cross the wire, not the 210x160x3 screens.
+import csv
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import ale_py
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.optim as optim
+import tyro
+from torch.distributions.categorical import Categorical
+from tqdm import tqdm
+
+import clusterenv
+
+try:
+    from torch.utils.tensorboard import SummaryWriter
+except ImportError:  # TensorBoard is optional: episodes.csv and the PNG are always written
+    SummaryWriter = None
+
+gym.register_envs(ale_py)
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.use_deterministic_algorithms(True)` (same seed, same results)"""
+    torch_threads: int = 1
+    """torch CPU threads (results are reproducible for a fixed number); more speed up the CNN"""
+    backend: Literal["clusterenv", "gym"] = "clusterenv"
+    """`clusterenv.ClusterEnv` (envs in worker processes) or `gym.vector.SyncVectorEnv` (the Gymnasium original)"""
+    runs_dir: str = "runs"
+    """where `<run_name>/episodes.csv` and `<run_name>/learning_curve.png` go"""
+
+    # Algorithm specific arguments
+    env_id: str = "BreakoutNoFrameskip-v4"
+    """the id of the environment"""
+    max_episode_frames: int = 108000
+    """emulator frames after which ALE truncates an episode (`max_num_frames_per_episode`)"""
+    total_timesteps: int = 10000000
+    """total timesteps of the experiments"""
+    learning_rate: float = 2.5e-4
+    """the learning rate of the optimizer"""
+    num_envs: int = 8
+    """the number of parallel game environments"""
+    num_steps: int = 128
+    """the number of steps to run in each environment per policy rollout"""
+    anneal_lr: bool = True
+    """Toggle learning rate annealing for policy and value networks"""
+    gamma: float = 0.99
+    """the discount factor gamma"""
+    gae_lambda: float = 0.95
+    """the lambda for the general advantage estimation"""
+    num_minibatches: int = 4
+    """the number of mini-batches"""
+    update_epochs: int = 4
+    """the K epochs to update the policy"""
+    norm_adv: bool = True
+    """Toggles advantages normalization"""
+    clip_coef: float = 0.1
+    """the surrogate clipping coefficient"""
+    clip_vloss: bool = True
+    """Toggles whether or not to use a clipped loss for the value function, as per the paper."""
+    ent_coef: float = 0.01
+    """coefficient of the entropy"""
+    vf_coef: float = 0.5
+    """coefficient of the value function"""
+    max_grad_norm: float = 0.5
+    """the maximum norm for the gradient clipping"""
+    target_kl: float | None = None
+    """the target KL divergence threshold"""
+    return_window: int = 100
+    """episodes averaged for the reported mean episodic return"""
+
+    # to be filled in runtime
+    batch_size: int = 0
+    """the batch size (computed in runtime)"""
+    minibatch_size: int = 0
+    """the mini-batch size (computed in runtime)"""
+    num_iterations: int = 0
+    """the number of iterations (computed in runtime)"""
+
+
+def check_args(args):
+    """Bad CLI input ends here with a one-line error, before any worker starts."""
+    if args.num_envs < 1:
+        raise SystemExit(f"error: --num-envs must be at least 1, got {args.num_envs}")
+    if args.max_episode_frames < 1:
+        raise SystemExit(f"error: --max-episode-frames must be at least 1, got {args.max_episode_frames}")
+    if args.num_steps < 1 or args.num_minibatches < 1:
+        raise SystemExit("error: --num-steps and --num-minibatches must be at least 1")
+    if args.total_timesteps < args.num_envs * args.num_steps:
+        raise SystemExit(
+            f"error: --total-timesteps ({args.total_timesteps}) must cover at least one rollout "
+            f"of --num-envs x --num-steps = {args.num_envs * args.num_steps} steps"
+        )
+    try:
+        spec = gym.spec(args.env_id)
+    except gym.error.Error as exc:
+        raise SystemExit(f"error: --env-id {args.env_id!r}: {exc}") from None
+    if spec.entry_point != "ale_py.env:AtariEnv":
+        raise SystemExit(f"error: --env-id {args.env_id!r} is not an Atari (ale-py) environment")
+    probe = gym.make(spec)
+    space = probe.action_space
+    probe.close()
+    if not isinstance(space, gym.spaces.Discrete):
+        raise SystemExit(f"error: --env-id {args.env_id!r} has action space {space}; this script needs Discrete")
+
+
+class EpisodicLifeEnv(gym.Wrapper):
+    """A lost life ends the episode for the learner; the game itself only resets when it is over."""
+
+    def __init__(self, env):
+        super().__init__(env)
+        self.lives = 0
+        self.was_real_done = True
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        self.was_real_done = terminated or truncated
+        lives = self.env.unwrapped.ale.lives()
+        if 0 < lives < self.lives:
+            terminated = True
+        self.lives = lives
+        return obs, reward, terminated, truncated, info
+
+    def reset(self, **kwargs):
+        if self.was_real_done:
+            obs, info = self.env.reset(**kwargs)
+        else:
+            # no-op step to advance from the lost-life state
+            obs, _, terminated, truncated, info = self.env.step(0)
+            if terminated or truncated:
+                obs, info = self.env.reset(**kwargs)
+        self.lives = self.env.unwrapped.ale.lives()
+        return obs, info
+
+
+class FireResetEnv(gym.Wrapper):
+    """Press FIRE after a reset, for games that wait for it."""
+
+    def reset(self, **kwargs):
+        self.env.reset(**kwargs)
+        obs, _, terminated, truncated, info = self.env.step(1)
+        if terminated or truncated:
+            self.env.reset(**kwargs)
+        obs, _, terminated, truncated, info = self.env.step(2)
+        if terminated or truncated:
+            self.env.reset(**kwargs)
+        return obs, info
+
+
+def make_env(env_id, idx, run_name, max_episode_frames):
+    def thunk():
+        # This runs in the worker process, which must register the ALE envs itself.
+        gym.register_envs(ale_py)
+        env = gym.make(env_id, frameskip=1, max_num_frames_per_episode=max_episode_frames)
+        env = gym.wrappers.RecordEpisodeStatistics(env)
+        # CleanRL's NoopResetEnv + MaxAndSkipEnv + ResizeObservation + GrayScaleObservation in one wrapper
+        env = gym.wrappers.AtariPreprocessing(env, noop_max=30, frame_skip=4, screen_size=84, grayscale_obs=True)
+        env = EpisodicLifeEnv(env)
+        if "FIRE" in env.unwrapped.get_action_meanings():
+            env = FireResetEnv(env)
+        env = gym.wrappers.TransformReward(env, np.sign)  # CleanRL's ClipRewardEnv
+        env = gym.wrappers.FrameStackObservation(env, 4)
+        return env
+
+    return thunk
+
+
+def layer_init(layer, std=2**0.5, bias_const=0.0):
+    torch.nn.init.orthogonal_(layer.weight, std)
+    torch.nn.init.constant_(layer.bias, bias_const)
+    return layer
+
+
+class Agent(nn.Module):
+    def __init__(self, envs):
+        super().__init__()
+        self.network = nn.Sequential(
+            layer_init(nn.Conv2d(4, 32, 8, stride=4)),
+            nn.ReLU(),
+            layer_init(nn.Conv2d(32, 64, 4, stride=2)),
+            nn.ReLU(),
+            layer_init(nn.Conv2d(64, 64, 3, stride=1)),
+            nn.ReLU(),
+            nn.Flatten(),
+            layer_init(nn.Linear(64 * 7 * 7, 512)),
+            nn.ReLU(),
+        )
+        self.actor = layer_init(nn.Linear(512, envs.single_action_space.n), std=0.01)
+        self.critic = layer_init(nn.Linear(512, 1), std=1)
+
+    def get_value(self, x):
+        return self.critic(self.network(x / 255.0))
+
+    def get_action_and_value(self, x, action=None):
+        hidden = self.network(x / 255.0)
+        logits = self.actor(hidden)
+        probs = Categorical(logits=logits)
+        if action is None:
+            action = probs.sample()
+        return action, probs.log_prob(action), probs.entropy(), self.critic(hidden)
+
+
+class EpisodeLog:
+    """Episode statistics to `episodes.csv`, the progress bar, TensorBoard (if installed) and a PNG."""
+
+    def __init__(self, run_dir, total_timesteps, window):
+        os.makedirs(run_dir, exist_ok=True)
+        self.run_dir, self.window, self.start = run_dir, window, time.time()
+        self.file = open(os.path.join(run_dir, "episodes.csv"), "w", newline="")
+        self.csv = csv.writer(self.file)
+        self.csv.writerow(["global_step", "env", "episodic_return", "episodic_length", "wall_time_s"])
+        self.steps, self.returns = [], []
+        self.writer = SummaryWriter(run_dir) if SummaryWriter is not None else None
+        self.bar = tqdm(total=total_timesteps, unit="step", unit_scale=True, dynamic_ncols=True, mininterval=1.0)
+
+    def record(self, global_step, infos):
+        # RecordEpisodeStatistics runs inside each env (in the workers, for ClusterEnv). With NEXT_STEP
+        # autoreset its `episode` info comes with the step that ended the episode; with SAME_STEP it
+        # is under `final_info`, because the step's own info is that of the reset.
+        for info in (infos, infos.get("final_info", {})):
+            if "_episode" not in info:
+                continue
+            for i in np.flatnonzero(info["_episode"]):
+                ret, length = float(info["episode"]["r"][i]), int(info["episode"]["l"][i])
+                self.csv.writerow([global_step, int(i), ret, length, round(time.time() - self.start, 3)])
+                self.steps.append(global_step)
+                self.returns.append(ret)
+                if self.writer is not None:
+                    self.writer.add_scalar("charts/episodic_return", ret, global_step)
+                    self.writer.add_scalar("charts/episodic_length", length, global_step)
+
+    def mean_return(self):
+        return float(np.mean(self.returns[-self.window :])) if self.returns else float("nan")
+
+    def progress(self, global_step, scalars, **postfix):
+        if self.writer is not None:
+            for tag, value in scalars.items():
+                self.writer.add_scalar(tag, value, global_step)
+        self.bar.set_postfix(episodes=len(self.returns), ret=f"{self.mean_return():.1f}", **postfix, refresh=False)
+        self.bar.update(global_step - self.bar.n)
+
+    def close(self, title):
+        self.bar.close()
+        self.file.close()
+        if self.writer is not None:
+            self.writer.close()
+        # The Figure API needs no display and no global pyplot state.
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(7, 4), layout="tight")
+        ax = fig.subplots()
+        ax.plot(self.steps, self.returns, ".", alpha=0.3, label="episode")
+        if self.returns:
+            kernel = min(self.window, len(self.returns))
+            rolling = np.convolve(self.returns, np.ones(kernel) / kernel, mode="valid")
+            ax.plot(self.steps[kernel - 1 :], rolling, label=f"mean of {kernel}")
+        ax.set(title=title, xlabel="global step", ylabel="episodic return")
+        ax.legend(loc="lower right")
+        fig.savefig(os.path.join(self.run_dir, "learning_curve.png"), dpi=100)
+        print(
+            f"{len(self.returns)} episodes in {time.time() - self.start:.0f} s; mean episodic return of the "
+            f"last {min(self.window, len(self.returns))}: {self.mean_return():.1f}; logs in {self.run_dir}"
+        )
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    check_args(args)
+    args.batch_size = int(args.num_envs * args.num_steps)
+    args.minibatch_size = int(args.batch_size // args.num_minibatches)
+    args.num_iterations = args.total_timesteps // args.batch_size
+    run_name = f"{args.env_id}__{args.exp_name}__{args.backend}__{args.seed}__{int(time.time())}".replace("/", "-")
+
+    # TRY NOT TO MODIFY: seeding
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.use_deterministic_algorithms(args.torch_deterministic)
+    torch.set_num_threads(args.torch_threads)
+
+    device = torch.device("cpu")
+
+    # env setup: the Gymnasium original is `envs = gym.vector.SyncVectorEnv([...])`
+    VectorEnv = clusterenv.ClusterEnv if args.backend == "clusterenv" else gym.vector.SyncVectorEnv
+    envs = VectorEnv([make_env(args.env_id, i, run_name, args.max_episode_frames) for i in range(args.num_envs)])
+
+    agent = Agent(envs).to(device)
+    optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
+    log = EpisodeLog(os.path.join(args.runs_dir, run_name), args.num_iterations * args.batch_size, args.return_window)
+
+    # ALGO Logic: Storage setup
+    obs = torch.zeros((args.num_steps, args.num_envs) + envs.single_observation_space.shape).to(device)
+    actions = torch.zeros((args.num_steps, args.num_envs) + envs.single_action_space.shape).to(device)
+    logprobs = torch.zeros((args.num_steps, args.num_envs)).to(device)
+    rewards = torch.zeros((args.num_steps, args.num_envs)).to(device)
+    dones = torch.zeros((args.num_steps, args.num_envs)).to(device)
+    values = torch.zeros((args.num_steps, args.num_envs)).to(device)
+
+    # TRY NOT TO MODIFY: start the game
+    global_step = 0
+    start_time = time.time()
+    next_obs, _ = envs.reset(seed=args.seed)
+    next_obs = torch.Tensor(next_obs).to(device)
+    next_done = torch.zeros(args.num_envs).to(device)
+
+    for iteration in range(1, args.num_iterations + 1):
+        # Annealing the rate if instructed to do so.
+        if args.anneal_lr:
+            frac = 1.0 - (iteration - 1.0) / args.num_iterations
+            lrnow = frac * args.learning_rate
+            optimizer.param_groups[0]["lr"] = lrnow
+
+        for step in range(0, args.num_steps):
+            global_step += args.num_envs
+            obs[step] = next_obs
+            dones[step] = next_done
+
+            # ALGO LOGIC: action logic
+            with torch.no_grad():
+                action, logprob, _, value = agent.get_action_and_value(next_obs)
+                values[step] = value.flatten()
+            actions[step] = action
+            logprobs[step] = logprob
+
+            # TRY NOT TO MODIFY: execute the game and log data.
+            next_obs, reward, terminations, truncations, infos = envs.step(action.cpu().numpy())
+            next_done = np.logical_or(terminations, truncations)
+            rewards[step] = torch.tensor(reward).to(device).view(-1)
+            next_obs, next_done = torch.Tensor(next_obs).to(device), torch.Tensor(next_done).to(device)
+            log.record(global_step, infos)
+
+        # bootstrap value if not done
+        with torch.no_grad():
+            next_value = agent.get_value(next_obs).reshape(1, -1)
+            advantages = torch.zeros_like(rewards).to(device)
+            lastgaelam = 0
+            for t in reversed(range(args.num_steps)):
+                if t == args.num_steps - 1:
+                    nextnonterminal = 1.0 - next_done
+                    nextvalues = next_value
+                else:
+                    nextnonterminal = 1.0 - dones[t + 1]
+                    nextvalues = values[t + 1]
+                delta = rewards[t] + args.gamma * nextvalues * nextnonterminal - values[t]
+                advantages[t] = lastgaelam = delta + args.gamma * args.gae_lambda * nextnonterminal * lastgaelam
+            returns = advantages + values
+
+        # flatten the batch
+        b_obs = obs.reshape((-1,) + envs.single_observation_space.shape)
+        b_logprobs = logprobs.reshape(-1)
+        b_actions = actions.reshape((-1,) + envs.single_action_space.shape)
+        b_advantages = advantages.reshape(-1)
+        b_returns = returns.reshape(-1)
+        b_values = values.reshape(-1)
+
+        # Gymnasium 1.x autoreset (NEXT_STEP; CleanRL was written for 0.29): the step after a done
+        # ignores its action and returns the reset observation with reward 0, so the transition
+        # stored at a step with dones[t] == 1 goes from the final observation to the reset one. GAE
+        # never crosses it (nextnonterminal is 0 at the done step), and it is left out of the update
+        # here. SAME_STEP would keep CleanRL's loop unchanged but hides the final observation in
+        # infos; this keeps Gymnasium's default mode and costs one env step per episode.
+        b_valid = np.flatnonzero(dones.reshape(-1).cpu().numpy() == 0)
+
+        # Optimizing the policy and value network
+        clipfracs = []
+        for _epoch in range(args.update_epochs):
+            b_inds = np.random.permutation(b_valid)
+            for mb_inds in np.array_split(b_inds, args.num_minibatches):
+                _, newlogprob, entropy, newvalue = agent.get_action_and_value(b_obs[mb_inds], b_actions.long()[mb_inds])
+                logratio = newlogprob - b_logprobs[mb_inds]
+                ratio = logratio.exp()
+
+                with torch.no_grad():
+                    # calculate approx_kl http://joschu.net/blog/kl-approx.html
+                    old_approx_kl = (-logratio).mean()
+                    approx_kl = ((ratio - 1) - logratio).mean()
+                    clipfracs += [((ratio - 1.0).abs() > args.clip_coef).float().mean().item()]
+
+                mb_advantages = b_advantages[mb_inds]
+                if args.norm_adv:
+                    mb_advantages = (mb_advantages - mb_advantages.mean()) / (mb_advantages.std() + 1e-8)
+
+                # Policy loss
+                pg_loss1 = -mb_advantages * ratio
+                pg_loss2 = -mb_advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
+                pg_loss = torch.max(pg_loss1, pg_loss2).mean()
+
+                # Value loss
+                newvalue = newvalue.view(-1)
+                if args.clip_vloss:
+                    v_loss_unclipped = (newvalue - b_returns[mb_inds]) ** 2
+                    v_clipped = b_values[mb_inds] + torch.clamp(
+                        newvalue - b_values[mb_inds],
+                        -args.clip_coef,
+                        args.clip_coef,
+                    )
+                    v_loss_clipped = (v_clipped - b_returns[mb_inds]) ** 2
+                    v_loss_max = torch.max(v_loss_unclipped, v_loss_clipped)
+                    v_loss = 0.5 * v_loss_max.mean()
+                else:
+                    v_loss = 0.5 * ((newvalue - b_returns[mb_inds]) ** 2).mean()
+
+                entropy_loss = entropy.mean()
+                loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
+
+                optimizer.zero_grad()
+                loss.backward()
+                nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+                optimizer.step()
+
+            if args.target_kl is not None and approx_kl > args.target_kl:
+                break
+
+        y_pred, y_true = b_values[b_valid].cpu().numpy(), b_returns[b_valid].cpu().numpy()
+        var_y = np.var(y_true)
+        explained_var = np.nan if var_y == 0 else 1 - np.var(y_true - y_pred) / var_y
+
+        # TRY NOT TO MODIFY: record rewards for plotting purposes
+        sps = int(global_step / (time.time() - start_time))
+        scalars = {
+            "charts/learning_rate": optimizer.param_groups[0]["lr"],
+            "losses/value_loss": v_loss.item(),
+            "losses/policy_loss": pg_loss.item(),
+            "losses/entropy": entropy_loss.item(),
+            "losses/old_approx_kl": old_approx_kl.item(),
+            "losses/approx_kl": approx_kl.item(),
+            "losses/clipfrac": np.mean(clipfracs),
+            "losses/explained_variance": explained_var,
+            "charts/SPS": sps,
+        }
+        log.progress(global_step, scalars)
+
+    envs.close()
+    log.close(f"PPO {args.env_id} ({args.backend}, seed {args.seed})")

@@ -1,0 +1,163 @@
+"""The bundled examples train end to end, log their episodes, match Gymnasium exactly, and reject bad input."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+CSV_COLUMNS = ["global_step", "env", "episodic_return", "episodic_length", "wall_time_s"]
+RUN_TIMEOUT_S = 100  # a tiny run takes a few seconds; this is for a heavily loaded CI machine
+
+# Budgets small enough for a few seconds per run, large enough for several finished episodes.
+TINY = {
+    "ppo_cartpole": ("ppo_cartpole.py", "--total-timesteps", "1024", "--num-envs", "4", "--num-steps", "128"),
+    "ppo_cartpole --local-policy": (
+        "ppo_cartpole.py",
+        "--total-timesteps",
+        "1024",
+        "--num-envs",
+        "4",
+        "--num-steps",
+        "128",
+        "--local-policy",
+        "--aps-threshold",
+        "0.01",
+    ),
+    "dqn_cartpole": ("dqn_cartpole.py", "--total-timesteps", "1200", "--num-envs", "2", "--learning-starts", "400"),
+    # ALE truncates each game after 400 frames (100 agent steps), so 2 envs x 128 steps finish episodes.
+    "ppo_atari": (
+        "ppo_atari.py",
+        "--total-timesteps",
+        "256",
+        "--num-envs",
+        "2",
+        "--num-steps",
+        "128",
+        "--num-minibatches",
+        "2",
+        "--update-epochs",
+        "1",
+        "--max-episode-frames",
+        "400",
+    ),
+}
+
+
+@dataclass
+class Run:
+    result: subprocess.CompletedProcess
+    run_dir: Path | None
+
+    def episodes(self) -> list[dict[str, str]]:
+        assert self.run_dir is not None
+        with open(self.run_dir / "episodes.csv", newline="") as f:
+            return list(csv.DictReader(f))
+
+    def returns(self) -> list[tuple[str, str, str, str]]:
+        """Everything in episodes.csv except the wall-clock column."""
+        return [(e["global_step"], e["env"], e["episodic_return"], e["episodic_length"]) for e in self.episodes()]
+
+
+def run_example(script: str, *args: str, cwd: Path, timeout: float = RUN_TIMEOUT_S) -> Run:
+    """Run ``examples/<script>`` in a subprocess with its logs under ``cwd/runs``."""
+    cwd.mkdir(parents=True, exist_ok=True)
+    runs = cwd / "runs"
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), "--runs-dir", str(runs), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    run_dirs = sorted(runs.iterdir()) if runs.exists() else []
+    assert len(run_dirs) <= 1, f"expected at most one run directory, got {run_dirs}"
+    return Run(result, run_dirs[0] if run_dirs else None)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """``tiny_run(name, backend)``: the example's tiny run, started once per module and backend."""
+    cache: dict[tuple[str, str], Run] = {}
+
+    def run(name: str, backend: str = "clusterenv") -> Run:
+        if (name, backend) not in cache:
+            script, *args = TINY[name]
+            cwd = tmp_path_factory.mktemp(f"{script[:-3]}-{backend}")
+            cache[name, backend] = run_example(script, *args, "--backend", backend, cwd=cwd)
+        return cache[name, backend]
+
+    return run
+
+
+@pytest.mark.parametrize("name", TINY.keys())
+def test_example_trains_and_writes_episode_csv_and_learning_curve(tiny_run, name):
+    run = tiny_run(name)
+    assert run.result.returncode == 0, run.result.stderr[-3000:]
+    assert run.run_dir is not None
+    episodes = run.episodes()
+    assert episodes, "no episode finished, so episodes.csv has no rows"
+    assert list(episodes[0]) == CSV_COLUMNS
+    assert all(float(e["episodic_return"]) >= 0 and int(e["episodic_length"]) > 0 for e in episodes)
+    steps = [int(e["global_step"]) for e in episodes]
+    assert steps == sorted(steps)
+    assert (run.run_dir / "learning_curve.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    assert f"{len(episodes)} episodes in" in run.result.stdout
+
+
+@pytest.mark.parametrize("name", ["ppo_cartpole", "dqn_cartpole", "ppo_atari"])
+def test_gymnasium_version_of_the_script_gives_the_same_episodes(tiny_run, name):
+    ours, gymnasium = tiny_run(name, "clusterenv"), tiny_run(name, "gym")
+    assert gymnasium.result.returncode == 0, gymnasium.result.stderr[-3000:]
+    assert ours.result.returncode == 0, ours.result.stderr[-3000:]
+    assert ours.returns() == gymnasium.returns()
+
+
+def test_local_policy_progress_bar_reports_weight_pulls(tiny_run):
+    run = tiny_run("ppo_cartpole --local-policy")
+    assert run.result.returncode == 0, run.result.stderr[-3000:]
+    assert "pulls=" in run.result.stderr
+
+
+BAD_INPUT = {
+    "unknown env id": (
+        ("ppo_cartpole.py", "--env-id", "CartPoel-v1"),
+        "error: --env-id 'CartPoel-v1': Environment `CartPoel` doesn't exist. Did you mean: `CartPole`?",
+    ),
+    "zero envs": (("dqn_cartpole.py", "--num-envs", "0"), "error: --num-envs must be at least 1, got 0"),
+    "negative envs": (("ppo_atari.py", "--num-envs", "-2"), "error: --num-envs must be at least 1, got -2"),
+    "not an Atari env": (
+        ("ppo_atari.py", "--env-id", "CartPole-v1"),
+        "error: --env-id 'CartPole-v1' is not an Atari (ale-py) environment",
+    ),
+    "local policy without workers": (
+        ("ppo_cartpole.py", "--local-policy", "--backend", "gym"),
+        "error: --local-policy runs the actor in clusterenv workers; it needs --backend clusterenv",
+    ),
+}
+
+
+@pytest.mark.parametrize("argv,message", BAD_INPUT.values(), ids=BAD_INPUT.keys())
+def test_bad_cli_input_exits_with_a_one_line_error(tmp_path, argv, message):
+    run = run_example(*argv, cwd=tmp_path)
+    assert run.result.returncode != 0
+    assert run.result.stderr.strip().splitlines() == [message]
+    assert run.run_dir is None, "nothing should be written for rejected input"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_ppo_cartpole_defaults_solve_cartpole_exactly_like_the_gymnasium_version(tmp_path):
+    ours = run_example("ppo_cartpole.py", "--seed", "1", cwd=tmp_path / "clusterenv", timeout=1200)
+    assert ours.result.returncode == 0, ours.result.stderr[-3000:]
+    last_100 = [float(ret) for _, _, ret, _ in ours.returns()[-100:]]
+    assert sum(last_100) / len(last_100) >= 475, f"mean return of the last 100 episodes: {sum(last_100) / 100}"
+
+    gymnasium = run_example("ppo_cartpole.py", "--seed", "1", "--backend", "gym", cwd=tmp_path / "gym", timeout=600)
+    assert gymnasium.result.returncode == 0, gymnasium.result.stderr[-3000:]
+    assert ours.returns() == gymnasium.returns()

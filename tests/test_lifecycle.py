@@ -1,0 +1,266 @@
+"""Workers never outlive their use: deaths and timeouts are reported promptly, and close() always returns.
+
+Decision pinned here: a ``WorkerTimeoutError`` closes the ClusterEnv (its workers are killed), because a
+worker that missed its deadline is still busy with a step whose result nobody will read, so its envs
+are in an unknown state. Build a new env, with a larger ``timeout`` if the environments are this slow.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.error import ClosedEnvironmentError
+
+from clusterenv import ClusterEnv, ClusterEnvError, RemoteEnvError, WorkerLostError, WorkerTimeoutError
+from tests.conftest import child_pids, pid_alive, wait_until
+from tests.envs import FailingEnv, SlowEnv
+
+CARTPOLE = functools.partial(gym.make, "CartPole-v1")
+ACTIONS = np.zeros(4, dtype=np.int64)
+
+
+def start(env_fns, **kwargs) -> tuple[ClusterEnv, set[int]]:
+    """A ClusterEnv and the pids of its worker processes."""
+    before = child_pids()
+    envs = ClusterEnv(env_fns, **kwargs)
+    return envs, child_pids() - before
+
+
+def all_gone(pids: set[int], timeout: float = 10.0) -> bool:
+    return wait_until(lambda: not any(pid_alive(pid) for pid in pids), timeout=timeout)
+
+
+# -- a worker dies ---------------------------------------------------------------------------
+def test_worker_killed_between_steps_raises_worker_lost():
+    envs, pids = start([CARTPOLE] * 4, num_workers=2, timeout=30)
+    try:
+        envs.reset(seed=0)
+        envs.step(ACTIONS)
+        victim = max(pids)
+        os.kill(victim, signal.SIGKILL)
+        assert wait_until(lambda: not pid_alive(victim), timeout=5)
+        started = time.monotonic()
+        with pytest.raises(
+            WorkerLostError, match=r"^worker \d \(pid \d+\), running envs \d\.\.\d, exited with code -9"
+        ):
+            for _ in range(100):
+                envs.step(ACTIONS)
+        assert time.monotonic() - started < 10, "death must be noticed well within `timeout`"
+        assert envs.closed
+    finally:
+        envs.close()
+    assert all_gone(pids)
+
+
+def test_worker_killed_while_learner_waits_raises_within_timeout():
+    timeout = 20.0
+    envs, pids = start([functools.partial(SlowEnv, 1.0)] * 2, num_workers=2, timeout=timeout)
+    try:
+        envs.reset(seed=0)
+        victim = min(pids)
+        killer = threading.Timer(0.2, os.kill, (victim, signal.SIGKILL))
+        started = time.monotonic()
+        killer.start()
+        try:
+            with pytest.raises(WorkerLostError, match=r"exited with code -9 while stepping\.$"):
+                envs.step(np.zeros(2, dtype=np.int64))
+        finally:
+            killer.join()
+        elapsed = time.monotonic() - started
+        assert elapsed < timeout / 2, f"took {elapsed:.1f} s to notice a dead worker"
+        with pytest.raises(ClosedEnvironmentError):
+            envs.step(np.zeros(2, dtype=np.int64))
+    finally:
+        envs.close()
+    assert all_gone(pids)
+
+
+def test_learner_killed_with_sigkill_takes_its_workers_with_it(tmp_path):
+    """No worker outlives the learner: they notice the parent is gone and exit on their own."""
+    script = textwrap.dedent(
+        """
+        import sys
+        import gymnasium as gym
+        import numpy as np
+        from clusterenv import ClusterEnv
+        from tests.conftest import child_pids
+
+        envs = ClusterEnv([lambda: gym.make("CartPole-v1")] * 4, num_workers=2)
+        envs.reset(seed=0)
+        print(" ".join(map(str, sorted(child_pids()))), flush=True)
+        while True:
+            envs.step(np.zeros(4, dtype=np.int64))
+        """
+    )
+    learner = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    try:
+        assert learner.stdout is not None
+        line = learner.stdout.readline()  # bounded by the test timeout
+        workers = {int(pid) for pid in line.split()}
+        assert len(workers) == 2, f"expected two worker pids, got {line!r}"
+        assert all(pid_alive(pid) for pid in workers)
+        learner.send_signal(signal.SIGKILL)
+        learner.wait(timeout=10)
+        assert all_gone(workers, timeout=10), (
+            f"workers {sorted(p for p in workers if pid_alive(p))} outlived the learner"
+        )
+    finally:
+        learner.kill()
+        learner.wait()
+        learner.stdout.close()
+
+
+# -- a worker is too slow --------------------------------------------------------------------
+@pytest.mark.parametrize("how", ["env timeout", "step_wait(timeout=)"])
+def test_slow_step_raises_worker_timeout_and_closes(how):
+    fast, slow = functools.partial(SlowEnv, 0.0), functools.partial(SlowEnv, 30.0)
+    envs, pids = start([fast, slow], num_workers=2, timeout=0.5 if how == "env timeout" else 60)
+    try:
+        envs.reset(seed=0)
+        started = time.monotonic()
+        with pytest.raises(WorkerTimeoutError) as caught:
+            if how == "env timeout":
+                envs.step(np.zeros(2, dtype=np.int64))
+            else:
+                envs.step_async(np.zeros(2, dtype=np.int64))
+                envs.step_wait(timeout=0.5)
+        elapsed = time.monotonic() - started
+        assert 0.5 <= elapsed < 10, elapsed
+        assert isinstance(caught.value, TimeoutError) and isinstance(caught.value, ClusterEnvError)
+        assert str(caught.value).startswith("Workers [1] did not reply within 0.5 s while stepping.")
+        assert envs.closed
+        with pytest.raises(ClosedEnvironmentError):
+            envs.reset()
+        started = time.monotonic()
+        envs.close()
+        assert time.monotonic() - started < 5
+    finally:
+        envs.close()
+    assert all_gone(pids)
+
+
+def slow_to_build() -> gym.Env:
+    time.sleep(60)
+    return CARTPOLE()
+
+
+def test_env_slower_to_build_than_start_timeout_raises_and_leaks_nothing():
+    before = child_pids()
+    started = time.monotonic()
+    with pytest.raises(
+        WorkerTimeoutError, match=re.escape("Workers [0] did not reply within 5.0 s while building envs.")
+    ):
+        ClusterEnv([slow_to_build, CARTPOLE], num_workers=2, start_timeout=5.0)
+    assert time.monotonic() - started < 20
+    assert wait_until(lambda: child_pids() == before, timeout=10)
+
+
+def test_timeout_none_waits_as_long_as_it_takes():
+    with ClusterEnv([functools.partial(SlowEnv, 0.3)] * 2, num_workers=2, timeout=None) as envs:
+        envs.reset(seed=0)
+        envs.step(np.zeros(2, dtype=np.int64))
+        envs.step_async(np.zeros(2, dtype=np.int64))
+        assert envs.step_wait(timeout=5)[1].shape == (2,)
+
+
+# -- close() always returns ------------------------------------------------------------------
+def closed_twice(envs: ClusterEnv, pids: set[int]) -> None:
+    envs.close()
+
+
+def closed_with_pending_step(envs: ClusterEnv, pids: set[int]) -> None:
+    envs.step_async(ACTIONS)
+
+
+def closed_after_worker_killed(envs: ClusterEnv, pids: set[int]) -> None:
+    pid = min(pids)
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not pid_alive(pid), timeout=5)
+
+
+CLOSE_AFTER = {
+    "twice": closed_twice,
+    "with a pending step": closed_with_pending_step,
+    "after a worker was killed": closed_after_worker_killed,
+}
+
+
+@pytest.mark.parametrize("before_close", CLOSE_AFTER.values(), ids=CLOSE_AFTER)
+def test_close_returns_promptly(before_close):
+    envs, pids = start([CARTPOLE] * 4, num_workers=2)
+    envs.reset(seed=0)
+    before_close(envs, pids)
+    started = time.monotonic()
+    envs.close()
+    envs.close()
+    assert time.monotonic() - started < 8  # the grace period is 5 s
+    assert envs.closed
+    assert all_gone(pids)
+
+
+def test_close_after_an_env_error_and_again():
+    envs, pids = start([functools.partial(FailingEnv, 1)] * 2, num_workers=2)
+    envs.reset(seed=0)
+    with pytest.raises(RemoteEnvError):
+        envs.step(np.zeros(2, dtype=np.int64))
+    envs.close()
+    envs.close()
+    assert all_gone(pids)
+
+
+def test_close_kills_a_worker_stuck_in_a_step_after_the_grace_period():
+    envs, pids = start([functools.partial(SlowEnv, 60.0)] * 2, num_workers=2)
+    envs.reset(seed=0)
+    envs.step_async(np.zeros(2, dtype=np.int64))
+    started = time.monotonic()
+    envs.close(timeout=0.5)
+    assert time.monotonic() - started < 5
+    assert all_gone(pids)
+
+
+def test_close_with_terminate_does_not_wait():
+    envs, pids = start([functools.partial(SlowEnv, 60.0)] * 2, num_workers=2)
+    envs.reset(seed=0)
+    envs.step_async(np.zeros(2, dtype=np.int64))
+    started = time.monotonic()
+    envs.close(terminate=True)
+    assert time.monotonic() - started < 3
+    assert all_gone(pids)
+
+
+# -- ownership -------------------------------------------------------------------------------
+def test_context_manager_closes_even_when_the_body_raises():
+    before = child_pids()
+    with pytest.raises(KeyError):
+        with ClusterEnv([CARTPOLE] * 2, num_workers=2) as envs:
+            pids = child_pids() - before
+            assert len(pids) == 2
+            envs.reset(seed=0)
+            raise KeyError("body failed")
+    assert envs.closed
+    assert all_gone(pids)
+
+
+def test_garbage_collected_env_leaves_no_process():
+    envs, pids = start([CARTPOLE] * 2, num_workers=2)
+    envs.reset(seed=0)
+    del envs
+    gc.collect()
+    assert all_gone(pids)
