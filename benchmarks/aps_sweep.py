@@ -2,9 +2,11 @@
 # clusterenv workers, under several weight-sync strategies: EveryUpdate, FixedInterval(n) and APS(threshold).
 # The question (issue 3): does APS reach EveryUpdate's return with >= 5x fewer weight pulls?
 #
-#   python benchmarks/aps_sweep.py                                  # the main sweep (see Args for the budget)
+#   python benchmarks/aps_sweep.py                  # the main sweep: CartPole, 8 strategies x 8 seeds, ~13 min here
 #   python benchmarks/aps_sweep.py --ratio behaviour --name aps_sweep_behaviour \
-#       --strategies every fixed:4 aps:0.002 aps:0.005 aps:0.02 --seeds 1 2 3   # the ppo.py ratio, see below
+#       --strategies every fixed:4 aps:0.002 aps:0.005 aps:0.02 --seeds 1 2 3   # the ppo.py ratio, see below; ~3 min
+#   python benchmarks/aps_sweep.py --env-ids Acrobot-v1 --name aps_sweep_acrobot \
+#       --strategies every fixed:4 fixed:8 aps:0.01 aps:0.02 aps:0.05 --seeds 1 2 3 4   # ~7 min
 #   python benchmarks/aps_sweep.py --total-timesteps 8192 --seeds 1  # a smoke run
 #   python benchmarks/aps_sweep.py --plot-only                      # redraw table and plots from the JSON
 #
@@ -55,7 +57,7 @@ class Args:
         ]
     )
     """sync strategies: every, never, fixed:N (FixedInterval(N)), aps:T (APS(threshold=T))"""
-    seeds: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
+    seeds: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 7, 8])
     """seeds per strategy"""
     total_timesteps: int = 100_000
     """env steps per run (reset steps included, as in CleanRL)"""
@@ -106,6 +108,8 @@ class Args:
     """where NAME.json, NAME.md, NAME_returns.png and NAME_tradeoff.png go"""
     name: str = "aps_sweep"
     """file name stem of the outputs"""
+    resume: bool = False
+    """keep the runs already in NAME.json and train only the missing (env, strategy, seed) runs"""
     plot_only: bool = False
     """skip training; redraw from the JSON in out_dir"""
 
@@ -319,7 +323,7 @@ def write_report(args, results):
     lines = [
         "# APS sweep: PPO with local policies on clusterenv workers",
         "",
-        f"{len(args.seeds)} seeds x {args.total_timesteps} env steps per run, {args.num_envs} envs on "
+        f"{len({r['seed'] for r in results})} seeds x {args.total_timesteps} env steps per run, {args.num_envs} envs on "
         f"{args.num_workers} workers, {args.num_steps} steps per rollout (one update per rollout), PPO ratio "
         f"against the {args.ratio} policy, learning rate {args.learning_rate} annealed. "
         f"Final return: mean episodic training return over the last {args.final_fraction:.0%} of steps, "
@@ -370,26 +374,32 @@ def plot(args, results):
     import matplotlib.pyplot as plt
 
     env_ids = sorted({r["env_id"] for r in results})
-    fig, axes = plt.subplots(1, len(env_ids), figsize=(7 * len(env_ids), 4.5), squeeze=False)
-    for ax, env_id in zip(axes[0], env_ids, strict=True):
-        for spec in args.strategies:
-            runs = [r for r in results if r["env_id"] == env_id and r["strategy"] == spec]
-            if not runs:
-                continue
-            steps = [p["step"] for p in runs[0]["curve"]]
-            curves = np.array(
-                [[np.nan if p["mean_return"] is None else p["mean_return"] for p in r["curve"]] for r in runs]
+    # One panel per family, each with the baselines, so that eight curves do not share one axis.
+    families = [("FixedInterval", "fixed"), ("APS", "aps")]
+    fig, axes = plt.subplots(len(env_ids), 2, figsize=(13, 4.2 * len(env_ids)), squeeze=False)
+    for row, env_id in zip(axes, env_ids, strict=True):
+        for ax, (family, prefix) in zip(row, families, strict=True):
+            for spec in args.strategies:
+                if not (spec.startswith(prefix) or spec in ("every", "never")):
+                    continue
+                runs = [r for r in results if r["env_id"] == env_id and r["strategy"] == spec]
+                if not runs:
+                    continue
+                steps = [p["step"] for p in runs[0]["curve"]]
+                curves = np.array(
+                    [[np.nan if p["mean_return"] is None else p["mean_return"] for p in r["curve"]] for r in runs]
+                )
+                mean, std = np.nanmean(curves, axis=0), np.nanstd(curves, axis=0)
+                style = "-" if spec.startswith(prefix) else "k-."
+                (line,) = ax.plot(steps, mean, style, label=label(spec), linewidth=1.4)
+                ax.fill_between(steps, mean - std, mean + std, color=line.get_color(), alpha=0.08)
+            ax.set_title(
+                f"{env_id}: EveryUpdate vs {family} (mean ± std over {len({r['seed'] for r in results})} seeds)",
+                fontsize=10,
             )
-            mean = np.nanmean(curves, axis=0)
-            style = "-" if spec.startswith("aps") else "--" if spec.startswith("fixed") else "-."
-            (line,) = ax.plot(steps, mean, style, label=label(spec))
-            ax.fill_between(
-                steps, np.nanmin(curves, axis=0), np.nanmax(curves, axis=0), color=line.get_color(), alpha=0.1
-            )
-        ax.set_title(f"PPO {env_id}: rolling mean return (mean over seeds, min-max shaded)")
-        ax.set_xlabel("env steps")
-        ax.set_ylabel("episodic return")
-        ax.legend(fontsize=8)
+            ax.set_xlabel("env steps")
+            ax.set_ylabel(f"rolling mean return ({args.return_window} episodes)")
+            ax.legend(fontsize=8)
     fig.tight_layout()
     curves_path = os.path.join(args.out_dir, f"{args.name}_returns.png")
     fig.savefig(curves_path, dpi=110)
@@ -435,6 +445,10 @@ def main():
         # The learner takes one core; the workers share the rest.
         torch.set_num_threads(1)
         results, sweep_start = [], time.time()
+        if args.resume and os.path.exists(json_path):
+            with open(json_path) as f:
+                results = json.load(f)["results"]
+        done = {(r["env_id"], r["strategy"], r["seed"]) for r in results}
         for env_id in args.env_ids:
             envs = clusterenv.make_vec(
                 env_id,
@@ -445,6 +459,8 @@ def main():
             try:
                 for seed in args.seeds:
                     for spec in args.strategies:
+                        if (env_id, spec, seed) in done:
+                            continue
                         result = train(args, envs, spec, seed)
                         result["env_id"] = env_id
                         results.append(result)

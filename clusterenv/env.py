@@ -6,6 +6,7 @@ import logging
 import os
 import pickle
 import secrets
+import socket as pysocket
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -21,6 +22,7 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.async_vector_env import AsyncState
 from gymnasium.vector.utils import batch_differing_spaces, batch_space, concatenate, create_empty_array
 
+from clusterenv import shared_obs
 from clusterenv.batching import is_array_tree, leaf_arrays, leaf_specs
 from clusterenv.errors import RemoteEnvError, WorkerLostError, WorkerStartError, WorkerTimeoutError
 from clusterenv.launch import Launcher, resolve_launcher
@@ -314,6 +316,34 @@ class ClusterEnv(VectorEnv):
         self.action_space = batch_space(self.single_action_space, self.num_envs)
         self._array_obs = is_array_tree(self.single_observation_space)
         self._observations = create_empty_array(self.single_observation_space, n=self.num_envs, fn=np.zeros)
+        self._share_observations(observation_mode, timeout)
+
+    def _share_observations(self, observation_mode: str, timeout: float) -> None:
+        """Put the observation batch in memory shared with the workers on this host, if large enough to pay.
+
+        Workers that map it write their slices there and leave them out of their replies
+        (see ``shared_obs``); the others, and any replacement worker, keep sending frames.
+        """
+        if not self._array_obs or observation_mode != "same":
+            return
+        smallest = min(sl.stop - sl.start for sl in self._slices)
+        if smallest * shared_obs.bytes_per_env(self.single_observation_space) < shared_obs.SHARED_OBS_MIN_BYTES:
+            return
+        host = pysocket.gethostname()
+        local = [w for w in range(self.num_workers) if self._workers_info[w].get("host") == host]
+        if not local:
+            return
+        shared = shared_obs.SharedObservations(self.single_observation_space, self.num_envs)
+        try:
+            self._seq += 1
+            for w in local:
+                self._send(w, Kind.SHARE_OBS, shared.meta(self._slices[w].start, self._slices[w].stop))
+            replies = self._gather(local, "mapping shared observations", timeout)
+        finally:
+            shared.unlink()
+        self._observations = shared.observations
+        attached = sorted(w for w, reply in replies.items() if reply.meta.get("attached"))
+        logger.debug("Workers %s write observations into shared memory at %s.", attached, shared.path)
 
     # -- messaging -------------------------------------------------------------------------
     def _send(
@@ -610,8 +640,9 @@ class ClusterEnv(VectorEnv):
         for w in sorted(replies):
             sl, msg = self._slices[w], replies[w]
             obs_arrays = msg.arrays[: len(msg.arrays) - n_extra]
-            for leaf, part in zip(self._obs_leaves, obs_arrays, strict=True):
-                leaf[sl] = part
+            if obs_arrays:  # else the worker wrote its slice into the shared batch
+                for leaf, part in zip(self._obs_leaves, obs_arrays, strict=True):
+                    leaf[sl] = part
             if n_extra:
                 rewards, terminations, truncations = msg.arrays[-3:]
                 self._rewards[sl], self._terminations[sl], self._truncations[sl] = rewards, terminations, truncations
@@ -627,8 +658,8 @@ class ClusterEnv(VectorEnv):
     def _observation_batch(self) -> Any:
         if not self.copy:
             return self._observations
-        if type(self._observations) is np.ndarray:
-            return self._observations.copy()  # what deepcopy does for an array, without its memo bookkeeping
+        if type(self._observations) is np.ndarray and self._observations.dtype != object:
+            return self._observations.copy()  # what deepcopy does for a numeric array, without its memo bookkeeping
         return deepcopy(self._observations)
 
     # -- attributes ------------------------------------------------------------------------

@@ -70,6 +70,7 @@ class Kind(IntEnum):
     ROLLOUT = 9
     LEARNER_LOGITS = 10
     PING = 11
+    SHARE_OBS = 12
 
     HELLO = 101
     READY = 102

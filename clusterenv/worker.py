@@ -26,6 +26,7 @@ import numpy as np
 import zmq
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
+from clusterenv import shared_obs
 from clusterenv.batching import is_array_tree, leaf_arrays, unflatten
 from clusterenv.liveness import LEARNER_LOST_EXIT_CODE, Heartbeat, HeartbeatClient
 from clusterenv.protocol import Kind, Message
@@ -93,7 +94,9 @@ class Worker:
             Kind.STEP: self.step,
             Kind.CALL: self.call,
             Kind.SET_ATTR: self.set_attr,
+            Kind.SHARE_OBS: self.share_obs,
         }
+        self.shared_obs = False  # observations are written into the learner's shared batch
 
     # -- lifecycle -------------------------------------------------------------------------
     def init(self, msg: Message) -> tuple:
@@ -124,7 +127,8 @@ class Worker:
     def _result(self, obs: Any, extra: list[np.ndarray]) -> tuple:
         assert self.envs is not None
         log, self.envs.info_log = self.envs.info_log, []
-        arrays = (leaf_arrays(self.envs.single_observation_space, obs) if self.array_obs else []) + extra
+        framed = self.array_obs and not self.shared_obs
+        arrays = (leaf_arrays(self.envs.single_observation_space, obs) if framed else []) + extra
         blobs = [b""] if not log else [_dumps(log)]
         if not self.array_obs:
             blobs.append(_dumps(self.envs._env_obs))
@@ -146,6 +150,20 @@ class Worker:
         actions = unflatten(self.envs.action_space, [a.copy() for a in msg.arrays])
         obs, rewards, terminations, truncations, _ = self.envs.step(actions)
         return self._result(obs, [rewards, terminations, truncations])
+
+    def share_obs(self, msg: Message) -> tuple:
+        """Write observations into the learner's shared batch from now on, if it can be mapped here."""
+        assert self.envs is not None
+        view = None
+        if self.array_obs and int(msg.meta["stop"]) - int(msg.meta["start"]) == self.envs.num_envs:
+            view = shared_obs.attach(msg.meta, self.envs.single_observation_space)
+        if view is not None:
+            space = self.envs.single_observation_space
+            for new, old in zip(leaf_arrays(space, view), leaf_arrays(space, self.envs._observations), strict=True):
+                new[...] = old
+            self.envs._observations = view  # SyncVectorEnv's concatenate(..., out=) now fills the shared slice
+            self.shared_obs = True
+        return Kind.VALUE, {"attached": self.shared_obs}, [], []
 
     # -- attributes ------------------------------------------------------------------------
     def call(self, msg: Message) -> tuple:
@@ -308,13 +326,13 @@ def main(argv: list[str] | None = None) -> None:
     started = time.monotonic()
     status = serve(args.connect, args.worker_id, key, parent_pid=args.parent_pid, join_timeout=args.join_timeout)
     logger.debug("Worker %s served for %.1f s.", name, time.monotonic() - started)
-    sys.exit(status)
-    # Skip interpreter teardown: once a local policy has loaded torch it takes 1-2 s, and the
-    # learner's close() waits for this process to exit. Sockets and envs are closed by now.
+    # os._exit, not sys.exit: it skips interpreter teardown, which takes 1.5-5 s once a local
+    # policy has loaded torch, and the learner's close() waits for this process to exit.
+    # Sockets and envs are closed by now; only the log and std streams need flushing.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
 
 
 if __name__ == "__main__":

@@ -130,7 +130,6 @@ BAD_INPUT = {
         "error: --env-id 'CartPoel-v1': Environment `CartPoel` doesn't exist. Did you mean: `CartPole`?",
     ),
     "zero envs": (("dqn_cartpole.py", "--num-envs", "0"), "error: --num-envs must be at least 1, got 0"),
-    "negative envs": (("ppo_atari.py", "--num-envs", "-2"), "error: --num-envs must be at least 1, got -2"),
     "not an Atari env": (
         ("ppo_atari.py", "--env-id", "CartPole-v1"),
         "error: --env-id 'CartPole-v1' is not an Atari (ale-py) environment",
