@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import hmac
 import math
+import re
 import struct
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -54,6 +55,7 @@ COALESCE_BYTES = 64 * 1024
 _ONE_SHOT_MAC_BYTES = 64 * 1024
 # Only plain numeric dtypes may be rebuilt from bytes; an object dtype would be a pointer.
 _SAFE_DTYPE_KINDS = frozenset("biufc")
+_DTYPE_STR = re.compile(r"[<>|=]?[biufc][0-9]{1,2}")
 
 
 class Kind(IntEnum):
@@ -175,9 +177,13 @@ def split(frames: list[Any]) -> list[Any]:
 
 @functools.lru_cache(maxsize=256)
 def _safe_dtype(name: str) -> np.dtype:
+    # Only ``dtype.str`` forms ('<f4', '|u1', ...) reach numpy's parser, which would otherwise
+    # evaluate comma strings and raise anything from TypeError to SyntaxError on garbage.
+    if _DTYPE_STR.fullmatch(name) is None:
+        raise ProtocolError(f"Array dtype {name!r} is not a numpy dtype string such as '<f4'.")
     try:
         dtype = np.dtype(name)
-    except TypeError:
+    except Exception:
         raise ProtocolError(f"Array dtype {name!r} is not a numpy dtype.") from None
     if dtype.kind not in _SAFE_DTYPE_KINDS or dtype.fields is not None or dtype.subdtype is not None:
         raise ProtocolError(f"Array dtype {name!r} is not a plain numeric dtype.")
@@ -242,7 +248,7 @@ def decode(frames: list[Any], *, key: bytes, cover_arrays: bool) -> Message:
         raise AuthenticationError("Message MAC does not match: the peer does not hold the shared secret.")
     arrays = []
     for (dtype, shape), frame in zip(specs, array_frames, strict=True):
-        buffer = memoryview(frame)
+        buffer = memoryview(frame).toreadonly()  # received zmq.Frames are writable; callers get views only
         expected = math.prod(shape) * dtype.itemsize
         if buffer.nbytes != expected:
             raise ProtocolError(

@@ -31,7 +31,7 @@ from gymnasium import spaces
 
 from clusterenv.batching import is_array_tree, leaf_specs, unflatten
 
-__all__ = ["SHARED_OBS_MIN_BYTES", "SharedObservations", "attach"]
+__all__ = ["SHARED_OBS_MIN_BYTES", "SharedObservations", "attach", "bytes_per_env"]
 
 logger = logging.getLogger(__name__)
 
