@@ -13,10 +13,9 @@ from collections.abc import Callable, Sequence
 from copy import deepcopy
 from typing import Any
 
-import cloudpickle
 import numpy as np
 import zmq
-from gymnasium import Env, spaces
+from gymnasium import Env
 from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError, ResetNeeded
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.async_vector_env import AsyncState
@@ -30,6 +29,16 @@ from clusterenv.liveness import Heartbeat, HeartbeatMonitor, heartbeat_address
 from clusterenv.protocol import Kind, Message
 from clusterenv.recovery import replace_workers, report_interrupted
 from clusterenv.transport import Channel, is_loopback, resolve_secret
+from clusterenv.validation import (
+    check_actions,
+    check_env_fns,
+    check_num_workers,
+    check_reset_mask,
+    check_seconds,
+    check_seeds,
+    pickle_argument,
+    pickle_env_fn,
+)
 
 __all__ = ["ClusterEnv"]
 
@@ -47,18 +56,6 @@ _CLOSE_LINGER_MS = 500
 def _default_num_workers(num_envs: int) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(cores, num_envs))
-
-
-def _check_seconds(name: str, value: Any, *, allow_none: bool) -> Any:
-    """``value`` if it is a positive number of seconds (or None where allowed), else a clear error."""
-    if value is None and allow_none:
-        return value
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        expected = "a positive number of seconds" + (" or None" if allow_none else "")
-        raise TypeError(f"`{name}` must be {expected}, got {type(value).__name__} ({value!r}).")
-    if not value > 0:
-        raise ValueError(f"`{name}` must be a positive number of seconds, got {value}.")
-    return float(value)
 
 
 class ClusterEnv(VectorEnv):
@@ -121,17 +118,11 @@ class ClusterEnv(VectorEnv):
         super().__init__()
         self._state = AsyncState.DEFAULT
         self.closed = True  # until the workers are up, close() has nothing to do
-        self._validate_env_fns(env_fns)
+        check_env_fns(env_fns)
         self.num_envs = len(env_fns)
         if num_workers is None:
             num_workers = _default_num_workers(self.num_envs)
-        if isinstance(num_workers, bool) or not isinstance(num_workers, (int, np.integer)):
-            raise TypeError(f"`num_workers` must be an integer, got {type(num_workers).__name__} ({num_workers!r}).")
-        if not 1 <= num_workers <= self.num_envs:
-            raise ValueError(
-                f"`num_workers` must be between 1 and the number of envs ({self.num_envs}), got {num_workers}."
-            )
-        self.num_workers = num_workers = int(num_workers)
+        self.num_workers = num_workers = check_num_workers(num_workers, self.num_envs)
         try:
             self.autoreset_mode = AutoresetMode(autoreset_mode)
         except ValueError:
@@ -141,13 +132,13 @@ class ClusterEnv(VectorEnv):
         if observation_mode not in ("same", "different"):
             raise ValueError(f"`observation_mode` must be 'same' or 'different', got {observation_mode!r}.")
         self.copy = copy
-        self.timeout = _check_seconds("timeout", timeout, allow_none=True)
-        start_timeout = _check_seconds("start_timeout", start_timeout, allow_none=False)
+        self.timeout = check_seconds("timeout", timeout, allow_none=True)
+        start_timeout = check_seconds("start_timeout", start_timeout, allow_none=False)
         if on_worker_failure not in ("raise", "restart"):
             raise ValueError(f"`on_worker_failure` must be 'raise' or 'restart', got {on_worker_failure!r}.")
         self.on_worker_failure = on_worker_failure
         self.heartbeat = Heartbeat() if heartbeat is None else heartbeat
-        pickled_fns = [self._pickle_env_fn(i, fn) for i, fn in enumerate(env_fns)]
+        pickled_fns = [pickle_env_fn(i, fn) for i, fn in enumerate(env_fns)]
 
         bounds = np.linspace(0, self.num_envs, num_workers + 1).round().astype(int)
         self._slices = [slice(int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
@@ -202,26 +193,6 @@ class ClusterEnv(VectorEnv):
         self._action_specs = leaf_specs(self.single_action_space) if is_array_tree(self.single_action_space) else None
 
     # -- construction ----------------------------------------------------------------------
-    @staticmethod
-    def _validate_env_fns(env_fns: Sequence[Callable[[], Env]]) -> None:
-        if isinstance(env_fns, (str, bytes)) or not isinstance(env_fns, Sequence):
-            raise TypeError(f"`env_fns` must be a sequence of callables, got {type(env_fns).__name__}.")
-        if len(env_fns) == 0:
-            raise ValueError("`env_fns` must contain at least one environment factory, got an empty sequence.")
-        for i, fn in enumerate(env_fns):
-            if not callable(fn):
-                raise TypeError(f"`env_fns[{i}]` must be a zero-argument callable, got {type(fn).__name__}.")
-
-    @staticmethod
-    def _pickle_env_fn(index: int, fn: Callable[[], Env]) -> bytes:
-        try:
-            return cloudpickle.dumps(fn)
-        except Exception as exc:
-            raise TypeError(
-                f"`env_fns[{index}]` ({fn!r}) cannot be pickled with cloudpickle, so it cannot be sent "
-                f"to a worker: {type(exc).__name__}: {exc}"
-            ) from exc
-
     def _join(self, worker_ids: list[int], timeout: float) -> None:
         """Wait for a HELLO for each id; a worker asking for no id (``clusterenv-worker`` by hand) gets a free one.
 
@@ -496,12 +467,12 @@ class ClusterEnv(VectorEnv):
     def reset_async(self, seed: int | list[int | None] | None = None, options: dict[str, Any] | None = None) -> None:
         """Send the reset to the workers without waiting for the observations."""
         self._begin(AsyncState.WAITING_RESET)
-        seeds = self._check_seeds(seed)
+        seeds = check_seeds(seed, self.num_envs)
         options = dict(options) if options is not None else None
         mask = None
         if options is not None and "reset_mask" in options:
-            mask = self._check_reset_mask(options.pop("reset_mask"))
-        blobs = [] if options is None else [self._pickle_argument(options, "`options` of reset")]
+            mask = check_reset_mask(options.pop("reset_mask"), self.num_envs)
+        blobs = [] if options is None else [pickle_argument(options, "`options` of reset")]
         self._pending = []
         for w, sl in enumerate(self._slices):
             if mask is not None and not mask[sl].any():
@@ -512,40 +483,6 @@ class ClusterEnv(VectorEnv):
         if mask is None:
             self._rewards[:] = 0.0
         self._state = AsyncState.WAITING_RESET
-
-    def _check_seeds(self, seed: Any) -> list[int | None]:
-        """One seed per env, as ``SyncVectorEnv.reset`` derives them, or a clear error."""
-        if isinstance(seed, np.ndarray):
-            seed = seed.tolist()
-        if seed is None:
-            return [None] * self.num_envs
-        if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
-            return [int(seed) + i for i in range(self.num_envs)]
-        if isinstance(seed, (str, bytes)) or not isinstance(seed, Sequence):
-            raise TypeError(
-                f"`seed` must be an int, a list of int or None (one per env), or None, got {type(seed).__name__}."
-            )
-        if len(seed) != self.num_envs:
-            raise ValueError(
-                f"If seeds are passed as a list the length must match num_envs={self.num_envs} but got length={len(seed)}."
-            )
-        for i, value in enumerate(seed):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
-                raise TypeError(f"`seed[{i}]` must be an int or None, got {type(value).__name__} ({value!r}).")
-        return [None if value is None else int(value) for value in seed]
-
-    def _check_reset_mask(self, reset_mask: Any) -> np.ndarray:
-        if not isinstance(reset_mask, np.ndarray):
-            raise TypeError(f"`options['reset_mask']` must be a numpy array, got {type(reset_mask)}")
-        if reset_mask.shape != (self.num_envs,):
-            raise ValueError(f"`options['reset_mask']` must have shape `({self.num_envs},)`, got {reset_mask.shape}")
-        if reset_mask.dtype != np.bool_:
-            raise TypeError(f"`options['reset_mask']` must have `dtype=np.bool_`, got {reset_mask.dtype}")
-        if not np.any(reset_mask):
-            raise ValueError(
-                f"`options['reset_mask']` must contain a boolean array with at least one True value, got reset_mask={reset_mask}"
-            )
-        return reset_mask
 
     def reset_wait(self, timeout: float | None = None) -> tuple[Any, dict[str, Any]]:
         """Wait for the observations of a ``reset_async``; ``timeout`` defaults to the env's."""
@@ -568,7 +505,9 @@ class ClusterEnv(VectorEnv):
         if self._needs_reset:
             raise ResetNeeded("Cannot call `step` before `reset`: the environments have not been reset yet.")
         self._begin(AsyncState.WAITING_STEP)
-        leaves = self._action_leaves(actions)
+        if self._action_specs is None:
+            raise TypeError(f"Action space {self.single_action_space} has no fixed array form; it is not supported.")
+        leaves = check_actions(actions, self.action_space, self._action_specs, self.num_envs)
         for w, sl in enumerate(self._slices):
             self._send(w, Kind.STEP, arrays=[leaf[sl] for leaf in leaves], blobs=())
         self._pending = list(range(self.num_workers))
@@ -589,50 +528,6 @@ class ClusterEnv(VectorEnv):
             np.copy(self._truncations),
             infos,
         )
-
-    def _action_leaves(self, actions: Any) -> list[np.ndarray]:
-        if self._action_specs is None:
-            raise TypeError(f"Action space {self.single_action_space} has no fixed array form; it is not supported.")
-        try:
-            leaves = leaf_arrays(self.action_space, actions)
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
-            raise ValueError(
-                f"Actions do not match the action space {self.action_space}: {type(exc).__name__}: {exc}"
-            ) from None
-        checked = []
-        for leaf, (_dtype, shape, space) in zip(leaves, self._action_specs, strict=True):
-            array = np.asarray(leaf)
-            expected = (self.num_envs, *shape)
-            if array.shape != expected:
-                raise ValueError(
-                    f"Actions must have shape {expected} (num_envs={self.num_envs}, then the single action "
-                    f"shape {shape}) for action space {space}, got shape {array.shape}."
-                )
-            if array.dtype.kind not in "biuf":
-                raise TypeError(f"Actions must be numeric for action space {space}, got dtype {array.dtype}.")
-            if isinstance(space, (spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)):
-                # Discrete.contains rejects bools (MultiDiscrete and MultiBinary accept them).
-                if array.dtype.kind not in "biu" or (array.dtype.kind == "b" and isinstance(space, spaces.Discrete)):
-                    raise TypeError(f"Actions for {space} must have an integer dtype, got {array.dtype}.")
-                low, high = self._integer_bounds(space)
-                if array.size and (
-                    # against scalar bounds, min/max are one pass each and build no temporaries
-                    (array.min() < low or array.max() > high)
-                    if isinstance(low, (int, np.integer))
-                    else (np.any(array < low) or np.any(array > high))
-                ):
-                    bad = array[(array < low) | (array > high)].ravel()[0]
-                    raise ValueError(f"Action {bad} is outside {space} (valid values {low}..{high}).")
-            checked.append(array)
-        return checked
-
-    @staticmethod
-    def _integer_bounds(space: spaces.Space) -> tuple[Any, Any]:
-        if isinstance(space, spaces.Discrete):
-            return space.start, space.start + space.n - 1
-        if isinstance(space, spaces.MultiDiscrete):
-            return space.start, space.start + space.nvec - 1
-        return 0, 1
 
     def _collect(self, replies: dict[int, Message], n_extra: int) -> dict[str, Any]:
         """Write the workers' slices into the batch buffers and replay infos in env order."""
@@ -666,7 +561,7 @@ class ClusterEnv(VectorEnv):
     def call_async(self, name: str, *args: Any, **kwargs: Any) -> None:
         """Ask every env for ``name`` (called with the arguments if it is callable)."""
         self._begin(AsyncState.WAITING_CALL)
-        blob = self._pickle_argument((args, kwargs), f"arguments of call({name!r})")
+        blob = pickle_argument((args, kwargs), f"arguments of call({name!r})")
         for w in range(self.num_workers):
             self._send(w, Kind.CALL, {"name": name}, blobs=[blob])
         self._pending = list(range(self.num_workers))
@@ -699,18 +594,11 @@ class ClusterEnv(VectorEnv):
             )
         self._begin(AsyncState.WAITING_CALL)
         for w, sl in enumerate(self._slices):
-            blob = self._pickle_argument(list(values[sl]), f"values of set_attr({name!r})")
+            blob = pickle_argument(list(values[sl]), f"values of set_attr({name!r})")
             self._send(w, Kind.SET_ATTR, {"name": name}, blobs=[blob])
         self._state = AsyncState.WAITING_CALL
         self._gather(range(self.num_workers), "setting attributes", self.timeout)
         self._state = AsyncState.DEFAULT
-
-    @staticmethod
-    def _pickle_argument(value: Any, what: str) -> bytes:
-        try:
-            return cloudpickle.dumps(value)
-        except Exception as exc:
-            raise TypeError(f"The {what} cannot be pickled to send to workers: {exc}") from exc
 
     def render(self) -> tuple[Any, ...] | None:
         """The frames rendered by every env, in env order."""

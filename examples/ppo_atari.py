@@ -2,7 +2,6 @@
 # workers. The one change that matters is the vector env class: `--backend gym` runs the Gymnasium original.
 # The Atari preprocessing runs inside the env thunk, so in the workers: only the stacked 4x84x84 uint8
 # frames cross the wire, not the 210x160x3 screens.
-import csv
 import os
 import random
 import time
@@ -16,15 +15,10 @@ import torch
 import torch.nn as nn
 import torch.optim as optim
 import tyro
+from episode_log import EpisodeLog
 from torch.distributions.categorical import Categorical
-from tqdm import tqdm
 
 import clusterenv
-
-try:
-    from torch.utils.tensorboard import SummaryWriter
-except ImportError:  # TensorBoard is optional: episodes.csv and the PNG are always written
-    SummaryWriter = None
 
 gym.register_envs(ale_py)
 
@@ -213,69 +207,6 @@ class Agent(nn.Module):
         if action is None:
             action = probs.sample()
         return action, probs.log_prob(action), probs.entropy(), self.critic(hidden)
-
-
-class EpisodeLog:
-    """Episode statistics to `episodes.csv`, the progress bar, TensorBoard (if installed) and a PNG."""
-
-    def __init__(self, run_dir, total_timesteps, window):
-        os.makedirs(run_dir, exist_ok=True)
-        self.run_dir, self.window, self.start = run_dir, window, time.time()
-        self.file = open(os.path.join(run_dir, "episodes.csv"), "w", newline="")
-        self.csv = csv.writer(self.file)
-        self.csv.writerow(["global_step", "env", "episodic_return", "episodic_length", "wall_time_s"])
-        self.steps, self.returns = [], []
-        self.writer = SummaryWriter(run_dir) if SummaryWriter is not None else None
-        self.bar = tqdm(total=total_timesteps, unit="step", unit_scale=True, dynamic_ncols=True, mininterval=1.0)
-
-    def record(self, global_step, infos):
-        # RecordEpisodeStatistics runs inside each env (in the workers, for ClusterEnv). With NEXT_STEP
-        # autoreset its `episode` info comes with the step that ended the episode; with SAME_STEP it
-        # is under `final_info`, because the step's own info is that of the reset.
-        for info in (infos, infos.get("final_info", {})):
-            if "_episode" not in info:
-                continue
-            for i in np.flatnonzero(info["_episode"]):
-                ret, length = float(info["episode"]["r"][i]), int(info["episode"]["l"][i])
-                self.csv.writerow([global_step, int(i), ret, length, round(time.time() - self.start, 3)])
-                self.steps.append(global_step)
-                self.returns.append(ret)
-                if self.writer is not None:
-                    self.writer.add_scalar("charts/episodic_return", ret, global_step)
-                    self.writer.add_scalar("charts/episodic_length", length, global_step)
-
-    def mean_return(self):
-        return float(np.mean(self.returns[-self.window :])) if self.returns else float("nan")
-
-    def progress(self, global_step, scalars, **postfix):
-        if self.writer is not None:
-            for tag, value in scalars.items():
-                self.writer.add_scalar(tag, value, global_step)
-        self.bar.set_postfix(episodes=len(self.returns), ret=f"{self.mean_return():.1f}", **postfix, refresh=False)
-        self.bar.update(global_step - self.bar.n)
-
-    def close(self, title):
-        self.bar.close()
-        self.file.close()
-        if self.writer is not None:
-            self.writer.close()
-        # The Figure API needs no display and no global pyplot state.
-        from matplotlib.figure import Figure
-
-        fig = Figure(figsize=(7, 4), layout="tight")
-        ax = fig.subplots()
-        ax.plot(self.steps, self.returns, ".", alpha=0.3, label="episode")
-        if self.returns:
-            kernel = min(self.window, len(self.returns))
-            rolling = np.convolve(self.returns, np.ones(kernel) / kernel, mode="valid")
-            ax.plot(self.steps[kernel - 1 :], rolling, label=f"mean of {kernel}")
-        ax.set(title=title, xlabel="global step", ylabel="episodic return")
-        ax.legend(loc="lower right")
-        fig.savefig(os.path.join(self.run_dir, "learning_curve.png"), dpi=100)
-        print(
-            f"{len(self.returns)} episodes in {time.time() - self.start:.0f} s; mean episodic return of the "
-            f"last {min(self.window, len(self.returns))}: {self.mean_return():.1f}; logs in {self.run_dir}"
-        )
 
 
 if __name__ == "__main__":

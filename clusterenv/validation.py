@@ -1,0 +1,166 @@
+"""Checks of user input, run on the learner before anything is sent to a worker.
+
+Each check either returns the value in the form the wire needs or raises with what was
+wrong and what was expected, in Gymnasium's wording where Gymnasium has one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import cloudpickle
+import numpy as np
+from gymnasium import Env, spaces
+
+from clusterenv.batching import leaf_arrays
+
+__all__ = [
+    "check_actions",
+    "check_env_fns",
+    "check_num_workers",
+    "check_reset_mask",
+    "check_seconds",
+    "check_seeds",
+    "pickle_argument",
+    "pickle_env_fn",
+]
+
+
+def check_seconds(name: str, value: Any, *, allow_none: bool) -> Any:
+    """``value`` as float seconds if it is a positive number (or None where allowed), else a clear error."""
+    if value is None and allow_none:
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        expected = "a positive number of seconds" + (" or None" if allow_none else "")
+        raise TypeError(f"`{name}` must be {expected}, got {type(value).__name__} ({value!r}).")
+    if not value > 0:
+        raise ValueError(f"`{name}` must be a positive number of seconds, got {value}.")
+    return float(value)
+
+
+def check_num_workers(num_workers: Any, num_envs: int) -> int:
+    """A worker count between 1 and ``num_envs``."""
+    if isinstance(num_workers, bool) or not isinstance(num_workers, (int, np.integer)):
+        raise TypeError(f"`num_workers` must be an integer, got {type(num_workers).__name__} ({num_workers!r}).")
+    if not 1 <= num_workers <= num_envs:
+        raise ValueError(f"`num_workers` must be between 1 and the number of envs ({num_envs}), got {num_workers}.")
+    return int(num_workers)
+
+
+def check_env_fns(env_fns: Sequence[Callable[[], Env]]) -> None:
+    """A non-empty sequence of callables, as ``AsyncVectorEnv`` takes."""
+    if isinstance(env_fns, (str, bytes)) or not isinstance(env_fns, Sequence):
+        raise TypeError(f"`env_fns` must be a sequence of callables, got {type(env_fns).__name__}.")
+    if len(env_fns) == 0:
+        raise ValueError("`env_fns` must contain at least one environment factory, got an empty sequence.")
+    for i, fn in enumerate(env_fns):
+        if not callable(fn):
+            raise TypeError(f"`env_fns[{i}]` must be a zero-argument callable, got {type(fn).__name__}.")
+
+
+def pickle_env_fn(index: int, fn: Callable[[], Env]) -> bytes:
+    """The cloudpickled factory, or an error naming the factory that cannot travel and why."""
+    try:
+        return cloudpickle.dumps(fn)
+    except Exception as exc:
+        raise TypeError(
+            f"`env_fns[{index}]` ({fn!r}) cannot be pickled with cloudpickle, so it cannot be sent "
+            f"to a worker: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def pickle_argument(value: Any, what: str) -> bytes:
+    """The cloudpickled ``value``, or an error saying which argument cannot be sent."""
+    try:
+        return cloudpickle.dumps(value)
+    except Exception as exc:
+        raise TypeError(f"The {what} cannot be pickled to send to workers: {exc}") from exc
+
+
+def check_seeds(seed: Any, num_envs: int) -> list[int | None]:
+    """One seed per env, as ``SyncVectorEnv.reset`` derives them, or a clear error."""
+    if isinstance(seed, np.ndarray):
+        seed = seed.tolist()
+    if seed is None:
+        return [None] * num_envs
+    if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
+        return [int(seed) + i for i in range(num_envs)]
+    if isinstance(seed, (str, bytes)) or not isinstance(seed, Sequence):
+        raise TypeError(
+            f"`seed` must be an int, a list of int or None (one per env), or None, got {type(seed).__name__}."
+        )
+    if len(seed) != num_envs:
+        raise ValueError(
+            f"If seeds are passed as a list the length must match num_envs={num_envs} but got length={len(seed)}."
+        )
+    for i, value in enumerate(seed):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
+            raise TypeError(f"`seed[{i}]` must be an int or None, got {type(value).__name__} ({value!r}).")
+    return [None if value is None else int(value) for value in seed]
+
+
+def check_reset_mask(reset_mask: Any, num_envs: int) -> np.ndarray:
+    """``options["reset_mask"]`` checked exactly as ``SyncVectorEnv.reset`` checks it."""
+    if not isinstance(reset_mask, np.ndarray):
+        raise TypeError(f"`options['reset_mask']` must be a numpy array, got {type(reset_mask)}")
+    if reset_mask.shape != (num_envs,):
+        raise ValueError(f"`options['reset_mask']` must have shape `({num_envs},)`, got {reset_mask.shape}")
+    if reset_mask.dtype != np.bool_:
+        raise TypeError(f"`options['reset_mask']` must have `dtype=np.bool_`, got {reset_mask.dtype}")
+    if not np.any(reset_mask):
+        raise ValueError(
+            f"`options['reset_mask']` must contain a boolean array with at least one True value, got reset_mask={reset_mask}"
+        )
+    return reset_mask
+
+
+def _integer_bounds(space: spaces.Space) -> tuple[Any, Any]:
+    if isinstance(space, spaces.Discrete):
+        return space.start, space.start + space.n - 1
+    if isinstance(space, spaces.MultiDiscrete):
+        return space.start, space.start + space.nvec - 1
+    return 0, 1
+
+
+def check_actions(
+    actions: Any,
+    action_space: spaces.Space,
+    specs: list[tuple[np.dtype, tuple[int, ...], spaces.Space]],
+    num_envs: int,
+) -> list[np.ndarray]:
+    """The leaf arrays of a batch of actions, each of shape ``(num_envs, *single_shape)`` and in range.
+
+    The user's dtype is kept (not cast to the space's), so that envs see exactly what
+    ``SyncVectorEnv`` would pass them.
+    """
+    try:
+        leaves = leaf_arrays(action_space, actions)
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise ValueError(f"Actions do not match the action space {action_space}: {type(exc).__name__}: {exc}") from None
+    checked = []
+    for leaf, (_dtype, shape, space) in zip(leaves, specs, strict=True):
+        array = np.asarray(leaf)
+        expected = (num_envs, *shape)
+        if array.shape != expected:
+            raise ValueError(
+                f"Actions must have shape {expected} (num_envs={num_envs}, then the single action "
+                f"shape {shape}) for action space {space}, got shape {array.shape}."
+            )
+        if array.dtype.kind not in "biuf":
+            raise TypeError(f"Actions must be numeric for action space {space}, got dtype {array.dtype}.")
+        if isinstance(space, (spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)):
+            # Discrete.contains rejects bools (MultiDiscrete and MultiBinary accept them).
+            if array.dtype.kind not in "biu" or (array.dtype.kind == "b" and isinstance(space, spaces.Discrete)):
+                raise TypeError(f"Actions for {space} must have an integer dtype, got {array.dtype}.")
+            low, high = _integer_bounds(space)
+            if array.size and (
+                # against scalar bounds, min/max are one pass each and build no temporaries
+                (array.min() < low or array.max() > high)
+                if isinstance(low, (int, np.integer))
+                else (np.any(array < low) or np.any(array > high))
+            ):
+                bad = array[(array < low) | (array > high)].ravel()[0]
+                raise ValueError(f"Action {bad} is outside {space} (valid values {low}..{high}).")
+        checked.append(array)
+    return checked
