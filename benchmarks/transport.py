@@ -8,6 +8,10 @@ private ipc socket. A trivial env returning a fixed observation of a chosen size
 the env's own cost out of the numbers; three sizes span CartPole (16 B), an 84x84x4
 Atari stack (28 KB) and a raw Atari frame (100 KB) per env.
 
+Both ends are on one host here, where large observations would otherwise go through shared
+memory on both transports; the run switches that off (``SHARED_OBS_MIN_BYTES``) so that what
+is measured is what crosses the wire between hosts.
+
 Two tables: end-to-end vector steps per second, and the encode+decode cost of one
 worker reply with and without array MACs (pure functions, no sockets: the MAC's share).
 
@@ -31,6 +35,7 @@ import gymnasium as gym
 import numpy as np
 import tyro
 
+import clusterenv.shared_obs
 from clusterenv import ClusterEnv
 from clusterenv.protocol import Kind, coalesce, decode, encode, split
 
@@ -112,6 +117,7 @@ def codec_microseconds(shape: tuple[int, ...], envs_per_worker: int, cover_array
 
 
 def main(args: Args) -> None:
+    clusterenv.shared_obs.SHARED_OBS_MIN_BYTES = 1 << 62  # measure the wire, not the shared mapping
     if args.quick:
         args = dataclasses.replace(args, seconds=1.0, repeats=1)
     rows = []
