@@ -30,6 +30,7 @@ from clusterenv import shared_obs
 from clusterenv.batching import is_array_tree, leaf_arrays, unflatten
 from clusterenv.liveness import LEARNER_LOST_EXIT_CODE, Heartbeat, HeartbeatClient
 from clusterenv.protocol import Kind, Message
+from clusterenv.rollout import install as install_rollout
 from clusterenv.transport import SECRET_ENV_VAR, Channel, new_identity, resolve_secret
 
 __all__ = ["Worker", "main", "serve"]
@@ -250,7 +251,7 @@ def serve(
     identity = new_identity(worker_id)
     channel = Channel.connect_dealer(context, address, key, identity)
     worker = Worker(-1 if worker_id is None else worker_id)
-    _install_policy_extensions(worker)
+    install_rollout(worker)  # the local-policy commands (SET_POLICY, SET_WEIGHTS, ROLLOUT)
     heart: HeartbeatClient | None = None
     join_deadline = None if join_timeout is None else time.monotonic() + join_timeout
     try:
@@ -289,15 +290,6 @@ def serve(
             heart.close()
         channel.close(linger=_EXIT_LINGER_MS)
         context.term()
-
-
-def _install_policy_extensions(worker: Worker) -> None:
-    """Hook for the local-policy commands; a no-op until a policy module registers them."""
-    try:
-        from clusterenv.rollout import install as install_rollout
-    except ImportError:
-        return
-    install_rollout(worker)
 
 
 def main(argv: list[str] | None = None) -> None:
