@@ -2,25 +2,55 @@
 
 Swap ``gymnasium.make_vec`` for :func:`clusterenv.make_vec` and ``reset``/``step`` run in
 ZeroMQ worker processes, on this machine or others, behind the unchanged ``VectorEnv`` API.
+
+The public names are imported on first use: a worker process (``python -m
+clusterenv.worker``) imports this package too, and must not load the learner's modules.
 """
 
 from __future__ import annotations
 
-from clusterenv.env import ClusterEnv
-from clusterenv.errors import (
-    AuthenticationError,
-    ClusterEnvError,
-    PolicyError,
-    ProtocolError,
-    RemoteEnvError,
-    WorkerLostError,
-    WorkerStartError,
-    WorkerTimeoutError,
-)
-from clusterenv.heads import Categorical, EpsilonGreedy, Greedy, Head
-from clusterenv.make import make_vec
-from clusterenv.rollout import PolicyRunner, RolloutBatch
-from clusterenv.sync import APS, EveryUpdate, FixedInterval, Never, SyncStrategy, Telemetry, WorkerTelemetry
+import importlib as _importlib
+import typing as _typing
+
+if _typing.TYPE_CHECKING:
+    from clusterenv.env import ClusterEnv
+    from clusterenv.errors import (
+        AuthenticationError,
+        ClusterEnvError,
+        PolicyError,
+        ProtocolError,
+        RemoteEnvError,
+        WorkerLostError,
+        WorkerStartError,
+        WorkerTimeoutError,
+    )
+    from clusterenv.heads import Categorical, EpsilonGreedy, Greedy, Head
+    from clusterenv.make import make_vec
+    from clusterenv.rollout import PolicyRunner, RolloutBatch
+    from clusterenv.sync import APS, EveryUpdate, FixedInterval, Never, SyncStrategy, Telemetry, WorkerTelemetry
+
+_MODULE_OF = {
+    "ClusterEnv": "env",
+    **dict.fromkeys(
+        [
+            "AuthenticationError",
+            "ClusterEnvError",
+            "PolicyError",
+            "ProtocolError",
+            "RemoteEnvError",
+            "WorkerLostError",
+            "WorkerStartError",
+            "WorkerTimeoutError",
+        ],
+        "errors",
+    ),
+    **dict.fromkeys(["Categorical", "EpsilonGreedy", "Greedy", "Head"], "heads"),
+    "make_vec": "make",
+    **dict.fromkeys(["PolicyRunner", "RolloutBatch"], "rollout"),
+    **dict.fromkeys(
+        ["APS", "EveryUpdate", "FixedInterval", "Never", "SyncStrategy", "Telemetry", "WorkerTelemetry"], "sync"
+    ),
+}
 
 __all__ = [
     "APS",
@@ -49,3 +79,16 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> _typing.Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'clusterenv' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(f"clusterenv.{module}"), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -2,33 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
-import secrets
 import socket as pysocket
-import time
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from copy import deepcopy
 from typing import Any
 
 import numpy as np
-import zmq
 from gymnasium import Env
 from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError, ResetNeeded
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.async_vector_env import AsyncState
-from gymnasium.vector.utils import batch_differing_spaces, batch_space, concatenate, create_empty_array
+from gymnasium.vector.utils import batch_differing_spaces, batch_space, concatenate, create_empty_array, iterate
 
 from clusterenv import shared_obs
-from clusterenv.batching import is_array_tree, leaf_arrays, leaf_specs
-from clusterenv.errors import RemoteEnvError, WorkerLostError, WorkerStartError, WorkerTimeoutError
-from clusterenv.launch import Launcher, resolve_launcher
-from clusterenv.liveness import Heartbeat, HeartbeatMonitor, heartbeat_address
+from clusterenv.batching import is_array_tree, leaf_arrays, leaf_specs, replay_infos
+from clusterenv.launch import Launcher
+from clusterenv.liveness import Heartbeat
+from clusterenv.pool import WorkerPool, weak_callback
 from clusterenv.protocol import Kind, Message
-from clusterenv.recovery import replace_workers, report_interrupted
-from clusterenv.transport import Channel, is_loopback, resolve_secret
 from clusterenv.validation import (
     check_actions,
     check_env_fns,
@@ -40,17 +35,13 @@ from clusterenv.validation import (
     pickle_env_fn,
 )
 
-__all__ = ["ClusterEnv"]
+__all__ = ["WORKER_RESTARTED_KEY", "ClusterEnv"]
 
 logger = logging.getLogger(__name__)
 
-# While waiting for replies, wake this often to notice a worker process that died.
-_LIVENESS_POLL_S = 0.05
 _CLOSE_GRACE_S = 5.0
-# HELLOs kept while busy, for external replacement workers; the peers are authenticated, the bound is a safeguard.
-_MAX_EARLY_HELLOS = 64
-# Lets a CLOSE queued for a connected worker leave before the socket goes; peers that are gone hold nothing up.
-_CLOSE_LINGER_MS = 500
+#: The info key (with its ``_`` mask) flagging envs whose episode a worker restart cut short.
+WORKER_RESTARTED_KEY = "worker_restarted"
 
 
 def _default_num_workers(num_envs: int) -> int:
@@ -143,43 +134,23 @@ class ClusterEnv(VectorEnv):
         bounds = np.linspace(0, self.num_envs, num_workers + 1).round().astype(int)
         self._slices = [slice(int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
 
-        key = resolve_secret(secret)
-        if bind is not None and not is_loopback(bind) and key is None:
-            raise ValueError(
-                f"Refusing to bind {bind!r} without a shared secret: anyone who can reach it could "
-                "send pickled code to workers. Pass `secret=` or set $CLUSTERENV_SECRET, or bind a "
-                "loopback address."
-            )
-        self._launcher: Launcher = resolve_launcher(launcher)
-        if bind is None and getattr(self._launcher, "requires_tcp", False):
-            bind = "tcp://127.0.0.1:*"  # workers connect from other processes that Ray starts, on this host
-        self._context = zmq.Context()
-        self._channel = Channel.bind_router(self._context, bind, key or secrets.token_hex(32).encode())
-        self.address = self._channel.endpoint
-        try:
-            self._monitor = HeartbeatMonitor(
-                self._context, heartbeat_address(bind) if bind else None, self._channel.key, self.heartbeat
-            )
-        except BaseException:
-            self._channel.close()
-            self._context.term()
-            raise
-        self._seq = 0
+        self._pool = WorkerPool(
+            num_workers,
+            bind=bind,
+            secret=secret,
+            launcher=launcher,
+            heartbeat=self.heartbeat,
+            on_worker_failure=on_worker_failure,
+            start_timeout=start_timeout,
+            describe_work=lambda w: f"envs {self._slices[w].start}..{self._slices[w].stop - 1}",
+        )
+        # Weak: the pool must not keep the env alive (its finalizer ends the workers).
+        self._pool.on_fatal = weak_callback(self._close_after_error)
+        self.address = self._pool.address
         self._needs_reset = True
-        self._identities: dict[int, bytes] = {}
-        self._peers: dict[bytes, int] = {}
-        self._workers_info: dict[int, dict[str, Any]] = {}
-        self._last_sent: dict[int, tuple[Kind, dict[str, Any] | None, Sequence[np.ndarray], Sequence[bytes]]] = {}
-        self._failed: set[int] = set()
-        self._early_hellos: list[tuple[bytes | None, Message]] = []
-        self._interrupted: dict[int, Message | None] = {}
-        self._recovering = False
-        self._pickled_fns, self._observation_mode, self._start_timeout = pickled_fns, observation_mode, start_timeout
-        self._finalizer = weakref.finalize(self, _shutdown, self._launcher, self._monitor, self._channel, self._context)
         self.closed = False
         try:
-            self._launcher.start(list(range(num_workers)), self.address, self._channel.key)
-            self._join(list(range(num_workers)), start_timeout)
+            self._pool.start()
             self._init_workers(pickled_fns, observation_mode, start_timeout)
         except BaseException:
             self.close(terminate=True)
@@ -192,74 +163,47 @@ class ClusterEnv(VectorEnv):
         self._truncations = np.zeros((self.num_envs,), dtype=np.bool_)
         self._action_specs = leaf_specs(self.single_action_space) if is_array_tree(self.single_action_space) else None
 
-    # -- construction ----------------------------------------------------------------------
-    def _join(self, worker_ids: list[int], timeout: float) -> None:
-        """Wait for a HELLO for each id; a worker asking for no id (``clusterenv-worker`` by hand) gets a free one.
+    # -- the seam for extensions (PolicyRunner) ---------------------------------------------
+    @property
+    def pool(self) -> WorkerPool:
+        """The worker pool, for extensions that send their own commands inside :meth:`pending_call`."""
+        return self._pool
 
-        Unauthenticated peers never get here (the channel drops them); authenticated ones
-        asking for an id that is taken or not expected are told to CLOSE.
+    @property
+    def worker_slices(self) -> tuple[slice, ...]:
+        """The envs of each worker: worker ``w`` steps envs ``worker_slices[w]`` (global indices)."""
+        return tuple(self._slices)
+
+    @property
+    def needs_reset(self) -> bool:
+        """True until the first ``reset``: stepping before it raises ``ResetNeeded``."""
+        return self._needs_reset
+
+    @contextlib.contextmanager
+    def pending_call(self) -> Iterator[WorkerPool]:
+        """Hold the env's one pending call while an extension talks to the workers through the pool.
+
+        Inside, ``reset``/``step``/``call`` raise ``AlreadyPendingCallError``; the pool's
+        sequence number is new, so replies to earlier calls are ignored.
         """
-        wanted = set(worker_ids)
-        deadline = time.monotonic() + timeout
-        while wanted:
-            for w in sorted(wanted):
-                code = self._launcher.exit_code(w)
-                if code is not None:
-                    raise WorkerStartError(
-                        f"{self._launcher.describe(w)} exited with code {code} before joining {self.address}."
-                    )
-            if time.monotonic() > deadline:
-                hint = getattr(self._launcher, "join_hint", None)
-                raise WorkerStartError(
-                    f"{len(worker_ids) - len(wanted)} of {len(worker_ids)} workers joined {self.address} within "
-                    f"start_timeout={timeout} s; worker ids {sorted(wanted)} are missing."
-                    + (f" {hint(self.address)}" if hint is not None else "")
-                )
-            received = self._early_hellos.pop(0) if self._early_hellos else None
-            received = received or self._channel.recv(_LIVENESS_POLL_S, routed=True)
-            if received is None:
-                continue
-            sender, msg = received
-            if msg.kind is not Kind.HELLO or sender is None or sender in self._peers:
-                logger.warning("Ignored %s from peer %r while waiting for workers to join.", msg.kind.name, sender)
-                continue
-            asked = msg.meta.get("worker_id")
-            if asked in wanted or asked is None:
-                worker_id = min(wanted) if asked is None else int(asked)
-            else:
-                logger.warning(
-                    "Turned away a worker on %s (pid %s) asking for id %r: expected ids %s.",
-                    msg.meta.get("host"),
-                    msg.meta.get("pid"),
-                    asked,
-                    sorted(wanted),
-                )
-                try:
-                    self._channel.send(Kind.CLOSE, {"seq": self._seq}, to=sender)
-                except zmq.ZMQError:
-                    pass
-                continue
-            wanted.discard(worker_id)
-            self._identities[worker_id], self._peers[sender] = sender, worker_id
-            self._workers_info[worker_id] = msg.meta
+        self._begin(AsyncState.WAITING_CALL)
+        self._state = AsyncState.WAITING_CALL
+        try:
+            yield self._pool
+        finally:
+            self._state = AsyncState.DEFAULT
 
-    def _init_meta(self, worker_id: int, *, replacement: bool = False) -> dict[str, Any]:
-        """The INIT of one worker; also starts watching its heartbeats, which it starts on receipt."""
-        self._monitor.watch(worker_id, self._identities[worker_id])
-        return {
-            "env_offset": self._slices[worker_id].start,
-            "autoreset_mode": self.autoreset_mode.value,
-            "observation_mode": self._observation_mode,
-            "worker_id": worker_id,
-            "heartbeat": self.heartbeat.to_meta(),
-            "heartbeat_endpoint": self._monitor.endpoint,
-            "autoreset_pending": replacement and self.autoreset_mode is AutoresetMode.NEXT_STEP,
-        }
-
+    # -- construction ----------------------------------------------------------------------
     def _init_workers(self, pickled_fns: list[bytes], observation_mode: str, timeout: float) -> None:
+        self._pool.new_call()
         for w, sl in enumerate(self._slices):
-            self._send(w, Kind.INIT, self._init_meta(w), blobs=pickled_fns[sl])
-        replies = self._gather(range(self.num_workers), "building envs", timeout)
+            meta = {
+                "env_offset": sl.start,
+                "autoreset_mode": self.autoreset_mode.value,
+                "observation_mode": observation_mode,
+            }
+            self._pool.send_init(w, meta, pickled_fns[sl])
+        replies = self._pool.gather(range(self.num_workers), "building envs", timeout)
         descriptions = [pickle.loads(replies[w].blobs[0]) for w in range(self.num_workers)]
         obs_spaces = [s for d in descriptions for s in d["observation_spaces"]]
         action_spaces = [s for d in descriptions for s in d["action_spaces"]]
@@ -301,142 +245,20 @@ class ClusterEnv(VectorEnv):
         if smallest * shared_obs.bytes_per_env(self.single_observation_space) < shared_obs.SHARED_OBS_MIN_BYTES:
             return
         host = pysocket.gethostname()
-        local = [w for w in range(self.num_workers) if self._workers_info[w].get("host") == host]
+        local = [w for w in range(self.num_workers) if self._pool.host(w) == host]
         if not local:
             return
         shared = shared_obs.SharedObservations(self.single_observation_space, self.num_envs)
         try:
-            self._seq += 1
+            self._pool.new_call()
             for w in local:
-                self._send(w, Kind.SHARE_OBS, shared.meta(self._slices[w].start, self._slices[w].stop))
-            replies = self._gather(local, "mapping shared observations", timeout)
+                self._pool.send(w, Kind.SHARE_OBS, shared.meta(self._slices[w].start, self._slices[w].stop))
+            replies = self._pool.gather(local, "mapping shared observations", timeout)
         finally:
             shared.unlink()
         self._observations = shared.observations
         attached = sorted(w for w, reply in replies.items() if reply.meta.get("attached"))
         logger.debug("Workers %s write observations into shared memory at %s.", attached, shared.path)
-
-    # -- messaging -------------------------------------------------------------------------
-    def _send(
-        self,
-        worker_id: int,
-        kind: Kind,
-        meta: dict[str, Any] | None = None,
-        arrays: Sequence[np.ndarray] = (),
-        blobs: Sequence[bytes] = (),
-    ) -> None:
-        self._last_sent[worker_id] = (kind, meta, arrays, blobs)  # replayed to a replacement worker
-        try:
-            self._channel.send(
-                kind, {**(meta or {}), "seq": self._seq}, list(arrays), list(blobs), to=self._identities[worker_id]
-            )
-        except zmq.ZMQError as exc:
-            if self.on_worker_failure == "restart" and not self._recovering:
-                logger.warning("Worker %d is unreachable (%s); it will be replaced.", worker_id, exc)
-                self._failed.add(worker_id)
-                return
-            raise self._lost(worker_id, f"sending {kind.name}") from exc
-
-    def _lost(self, worker_id: int, doing: str) -> WorkerLostError:
-        code = self._launcher.exit_code(worker_id)
-        silence = self._monitor.silence(worker_id)
-        if code is not None:
-            how = f"exited with code {code}"
-        elif silence is not None and silence > self.heartbeat.expiry:
-            how = (
-                f"stopped answering heartbeats ({silence:.1f} s silent; interval={self.heartbeat.interval} s, "
-                f"liveness={self.heartbeat.liveness})"
-            )
-        else:
-            how = "is unreachable"
-        sl = self._slices[worker_id]
-        error = WorkerLostError(
-            f"{self._launcher.describe(worker_id)}, running envs {sl.start}..{sl.stop - 1}, {how} while {doing}."
-        )
-        self.close(terminate=True)
-        return error
-
-    def _check_alive(self, worker_ids: set[int] | range, doing: str) -> set[int]:
-        """Workers among ``worker_ids`` that exited or expired: raised, or (restart) returned and marked failed."""
-        expired = self._monitor.expired()
-        lost = {w for w in worker_ids if w in expired or self._launcher.exit_code(w) is not None}
-        if lost and (self.on_worker_failure == "raise" or self._recovering):
-            raise self._lost(min(lost), doing)
-        for w in sorted(lost):
-            logger.warning("%s was lost while %s; replacing it.", self._launcher.describe(w), doing)
-        self._failed |= lost
-        return lost
-
-    def _gather(
-        self,
-        worker_ids: Sequence[int] | range,
-        doing: str,
-        timeout: float | None,
-        on_request: Callable[[int, Message], bool] | None = None,
-    ) -> dict[int, Message]:
-        """One reply per worker to the current ``seq``; raises on error, death or timeout.
-
-        ``on_request(worker_id, msg)`` may answer a mid-call request (a weight pull during a
-        rollout) and return True: that worker's final reply is then still to come.
-        """
-        pending = set(worker_ids) - self._failed
-        replies: dict[int, Message] = {}
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while pending:
-            # Checked before every receive, not only when idle, so that stray messages cannot postpone it.
-            if deadline is not None and time.monotonic() > deadline:
-                error = WorkerTimeoutError(
-                    f"Workers {sorted(pending)} did not reply within {timeout} s while {doing}. Their envs are "
-                    "now in an unknown state, so the ClusterEnv was closed. Raise `timeout` if the "
-                    "environments are this slow."
-                )
-                self.close(terminate=True)
-                raise error
-            received = self._channel.recv(_LIVENESS_POLL_S, routed=True)
-            if received is None:
-                pending -= self._check_alive(pending, doing)
-                continue
-            sender, msg = received
-            worker_id = self._worker_of(sender)
-            if worker_id is None and msg.kind is Kind.HELLO and len(self._early_hellos) < _MAX_EARLY_HELLOS:
-                self._early_hellos.append(received)  # a replacement that joined before the loss was seen
-                continue
-            if worker_id is None or msg.meta.get("seq") != self._seq:
-                continue  # a reply to a call that timed out earlier, or a stray peer
-            if msg.kind is Kind.ERROR:
-                raise self._remote_error(worker_id, msg, doing)
-            if on_request is not None and worker_id in pending and on_request(worker_id, msg):
-                continue
-            if worker_id in pending:
-                pending.discard(worker_id)
-                replies[worker_id] = msg
-        lost = self._failed.intersection(worker_ids)
-        if lost:
-            replace_workers(self, sorted(lost), replies, doing)
-        return replies
-
-    def _worker_of(self, sender: bytes | None) -> int | None:
-        return None if sender is None else self._peers.get(sender)
-
-    def _remote_error(self, worker_id: int, msg: Message, doing: str | None = None) -> RemoteEnvError:
-        meta = msg.meta
-        where = f"env {meta['env_index']}" if meta.get("env_index") is not None else "an env"
-        during = "" if doing is None else f" while {doing}"
-        error = RemoteEnvError(
-            f"{where} on worker {worker_id} raised {meta['exc_type']}{during}: {meta['message']}\n\n"
-            f"Remote traceback:\n{meta['traceback']}",
-            env_index=meta.get("env_index"),
-            worker_id=worker_id,
-            exc_type=meta["exc_type"],
-            remote_traceback=meta["traceback"],
-        )
-        if msg.blobs:
-            try:
-                error.__cause__ = pickle.loads(msg.blobs[0])
-            except Exception:
-                logger.debug("Could not unpickle the remote exception.", exc_info=True)
-        self.close()
-        return error
 
     def _begin(self, state: AsyncState) -> None:
         self._assert_is_running()
@@ -445,7 +267,7 @@ class ClusterEnv(VectorEnv):
                 f"Calling `{state.value}` while waiting for a pending call to `{self._state.value}` to complete.",
                 str(self._state.value),
             )
-        self._seq += 1
+        self._pool.new_call()
 
     def _end(self, state: AsyncState, name: str) -> None:
         self._assert_is_running()
@@ -478,7 +300,7 @@ class ClusterEnv(VectorEnv):
             if mask is not None and not mask[sl].any():
                 continue
             meta = {"seeds": seeds[sl], "mask": None if mask is None else mask[sl].tolist()}
-            self._send(w, Kind.RESET, meta, blobs=blobs)
+            self._pool.send(w, Kind.RESET, meta, blobs=blobs)
             self._pending.append(w)
         if mask is None:
             self._rewards[:] = 0.0
@@ -487,7 +309,7 @@ class ClusterEnv(VectorEnv):
     def reset_wait(self, timeout: float | None = None) -> tuple[Any, dict[str, Any]]:
         """Wait for the observations of a ``reset_async``; ``timeout`` defaults to the env's."""
         self._end(AsyncState.WAITING_RESET, "reset_wait")
-        replies = self._gather(self._pending, "resetting", self.timeout if timeout is None else timeout)
+        replies = self._pool.gather(self._pending, "resetting", self.timeout if timeout is None else timeout)
         self._state = AsyncState.DEFAULT
         self._needs_reset = False
         infos = self._collect(replies, n_extra=0)
@@ -509,18 +331,18 @@ class ClusterEnv(VectorEnv):
             raise TypeError(f"Action space {self.single_action_space} has no fixed array form; it is not supported.")
         leaves = check_actions(actions, self.action_space, self._action_specs, self.num_envs)
         for w, sl in enumerate(self._slices):
-            self._send(w, Kind.STEP, arrays=[leaf[sl] for leaf in leaves], blobs=())
+            self._pool.send(w, Kind.STEP, arrays=[leaf[sl] for leaf in leaves], blobs=())
         self._pending = list(range(self.num_workers))
         self._state = AsyncState.WAITING_STEP
 
     def step_wait(self, timeout: float | None = None) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
         """Wait for the results of a ``step_async``; ``timeout`` defaults to the env's."""
         self._end(AsyncState.WAITING_STEP, "step_wait")
-        replies = self._gather(self._pending, "stepping", self.timeout if timeout is None else timeout)
+        replies = self._pool.gather(self._pending, "stepping", self.timeout if timeout is None else timeout)
         self._state = AsyncState.DEFAULT
         infos = self._collect(replies, n_extra=3)
-        if self._interrupted:
-            infos = report_interrupted(self, infos)
+        if self._pool.interrupted:
+            infos = self._report_interrupted(infos)
         return (
             self._observation_batch(),
             np.copy(self._rewards),
@@ -534,20 +356,58 @@ class ClusterEnv(VectorEnv):
         infos: dict[str, Any] = {}
         for w in sorted(replies):
             sl, msg = self._slices[w], replies[w]
-            obs_arrays = msg.arrays[: len(msg.arrays) - n_extra]
-            if obs_arrays:  # else the worker wrote its slice into the shared batch
-                for leaf, part in zip(self._obs_leaves, obs_arrays, strict=True):
-                    leaf[sl] = part
+            self._write_slice(sl, msg, n_extra)
             if n_extra:
                 rewards, terminations, truncations = msg.arrays[-3:]
                 self._rewards[sl], self._terminations[sl], self._truncations[sl] = rewards, terminations, truncations
             if msg.blobs[0]:
-                for local_index, env_info in pickle.loads(msg.blobs[0]):
-                    infos = self._add_info(infos, env_info, sl.start + local_index)
-            if not self._array_obs:
-                self._env_obs[sl] = pickle.loads(msg.blobs[1])
+                infos = replay_infos(infos, pickle.loads(msg.blobs[0]), self.num_envs, sl.start)
+        self._finish_observations()
+        return infos
+
+    def _write_slice(self, sl: slice, msg: Message, n_extra: int) -> None:
+        """Write one worker's observations (all but its last ``n_extra`` arrays) into the batch."""
+        if not self._array_obs:
+            self._env_obs[sl] = pickle.loads(msg.blobs[1])
+            return
+        obs_arrays = msg.arrays[: len(msg.arrays) - n_extra]
+        if obs_arrays:  # else the worker wrote its slice into the shared batch
+            for leaf, part in zip(self._obs_leaves, obs_arrays, strict=True):
+                leaf[sl] = part
+
+    def _finish_observations(self) -> None:
         if not self._array_obs:
             self._observations = concatenate(self.single_observation_space, self._env_obs, self._observations)  # type: ignore[arg-type]
+
+    def _report_interrupted(self, infos: dict[str, Any]) -> dict[str, Any]:
+        """Report the episodes that a worker restart cut short as truncations (semantics in docs/cluster.md).
+
+        Reward 0, ``terminated=False``, ``truncated=True`` and ``infos["worker_restarted"]``.
+        Under SAME_STEP the new episode starts now: the replacement's envs are reset here, the
+        observation is the reset one, ``final_obs`` the last one received and ``final_info`` empty.
+        Under NEXT_STEP the observation is the last one received, and the next step resets.
+        """
+        interrupted = sorted(self._pool.interrupted)
+        self._pool.interrupted.clear()
+        resets: dict[int, Message] = {}
+        if self.autoreset_mode is AutoresetMode.SAME_STEP:
+            meta = {"seeds": None, "mask": None}
+            resets = self._pool.request(interrupted, Kind.RESET, meta, "resetting a replacement's envs", self.timeout)
+        for w in interrupted:
+            sl = self._slices[w]
+            self._rewards[sl], self._terminations[sl], self._truncations[sl] = 0.0, False, True
+            extra: list[dict[str, Any]] = [{} for _ in range(sl.stop - sl.start)]
+            if w in resets:
+                every = list(iterate(self.observation_space, self._observations)) if self._array_obs else self._env_obs
+                final_obs = [deepcopy(obs) for obs in every[sl]]
+                self._write_slice(sl, resets[w], n_extra=0)
+                blob = resets[w].blobs[0]
+                reset_infos: dict[int, dict[str, Any]] = dict(pickle.loads(blob)) if blob else {}
+                for i in range(len(extra)):
+                    extra[i] = {"final_obs": final_obs[i], "final_info": {}, **reset_infos.get(i, {})}
+            records = [(i, {**info, WORKER_RESTARTED_KEY: True}) for i, info in enumerate(extra)]
+            infos = replay_infos(infos, records, self.num_envs, sl.start)
+        self._finish_observations()
         return infos
 
     def _observation_batch(self) -> Any:
@@ -563,14 +423,14 @@ class ClusterEnv(VectorEnv):
         self._begin(AsyncState.WAITING_CALL)
         blob = pickle_argument((args, kwargs), f"arguments of call({name!r})")
         for w in range(self.num_workers):
-            self._send(w, Kind.CALL, {"name": name}, blobs=[blob])
+            self._pool.send(w, Kind.CALL, {"name": name}, blobs=[blob])
         self._pending = list(range(self.num_workers))
         self._state = AsyncState.WAITING_CALL
 
     def call_wait(self, timeout: float | None = None) -> tuple[Any, ...]:
         """The per-env results of a ``call_async``, in env order."""
         self._end(AsyncState.WAITING_CALL, "call_wait")
-        replies = self._gather(self._pending, "calling", self.timeout if timeout is None else timeout)
+        replies = self._pool.gather(self._pending, "calling", self.timeout if timeout is None else timeout)
         self._state = AsyncState.DEFAULT
         return tuple(value for w in range(self.num_workers) for value in pickle.loads(replies[w].blobs[0]))
 
@@ -595,9 +455,9 @@ class ClusterEnv(VectorEnv):
         self._begin(AsyncState.WAITING_CALL)
         for w, sl in enumerate(self._slices):
             blob = pickle_argument(list(values[sl]), f"values of set_attr({name!r})")
-            self._send(w, Kind.SET_ATTR, {"name": name}, blobs=[blob])
+            self._pool.send(w, Kind.SET_ATTR, {"name": name}, blobs=[blob])
         self._state = AsyncState.WAITING_CALL
-        self._gather(range(self.num_workers), "setting attributes", self.timeout)
+        self._pool.gather(range(self.num_workers), "setting attributes", self.timeout)
         self._state = AsyncState.DEFAULT
 
     def render(self) -> tuple[Any, ...] | None:
@@ -617,42 +477,15 @@ class ClusterEnv(VectorEnv):
     # -- shutdown --------------------------------------------------------------------------
     def close_extras(self, timeout: float | None = None, terminate: bool = False, **kwargs: Any) -> None:
         """Ask workers to close their envs and exit; kill those that do not within the grace period."""
-        grace = _CLOSE_GRACE_S if timeout is None else timeout
-        # Also on terminate: workers this process cannot kill (external, remote) must hear it.
-        # Without blocking: a frozen worker's full queue must not hang close().
-        self._channel.socket.setsockopt(zmq.SNDTIMEO, 0)
-        self._seq += 1
-        for identity in self._identities.values():
-            try:
-                self._channel.send(Kind.CLOSE, {"seq": self._seq}, to=identity)
-            except zmq.ZMQError:
-                pass  # already gone
-        if not terminate:
-            self._await_closed(grace)
-        self._launcher.stop(0.0 if terminate else grace)
-        self._finalizer()
+        self._pool.close(_CLOSE_GRACE_S if timeout is None else timeout, terminate=terminate)
 
-    def _await_closed(self, grace: float) -> None:
-        """Wait up to ``grace`` seconds for CLOSED from every worker not known to be gone."""
-        pending = set(self._identities)
-        deadline = time.monotonic() + grace
-        while pending and time.monotonic() < deadline:
-            received = self._channel.recv(_LIVENESS_POLL_S, routed=True)
-            if received is not None:
-                worker_id = self._worker_of(received[0])
-                if received[1].kind is Kind.CLOSED and worker_id is not None:
-                    pending.discard(worker_id)
-                continue
-            expired = self._monitor.expired()
-            pending = {w for w in pending if w not in expired and self._launcher.exit_code(w) is None}
+    def _close_after_error(self, terminate: bool) -> None:
+        self.close(terminate=terminate)
 
     @property
     def worker_info(self) -> list[dict[str, Any]]:
         """Per worker, what it said when it joined: ``{"worker_id", "host", "pid"}`` (replacements included)."""
-        return [
-            {"worker_id": w, "host": info.get("host"), "pid": info.get("pid")}
-            for w, info in sorted(self._workers_info.items())
-        ]
+        return self._pool.worker_info
 
     def __enter__(self) -> ClusterEnv:
         return self
@@ -664,11 +497,3 @@ class ClusterEnv(VectorEnv):
         """``ClusterEnv(CartPole-v1, num_envs=8, num_workers=2)``."""
         name = "" if self.spec is None else f"{self.spec.id}, "
         return f"{type(self).__name__}({name}num_envs={self.num_envs}, num_workers={self.num_workers})"
-
-
-def _shutdown(launcher: Launcher, monitor: HeartbeatMonitor, channel: Channel, context: zmq.Context) -> None:
-    """Last-resort cleanup, also run at interpreter exit for envs never closed."""
-    launcher.stop(0.0)
-    monitor.close()
-    channel.close(linger=_CLOSE_LINGER_MS)
-    context.term()

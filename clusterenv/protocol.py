@@ -37,6 +37,7 @@ __all__ = [
     "COALESCE_BYTES",
     "MAX_HEADER_BYTES",
     "PROTOCOL_VERSION",
+    "ROLLOUT_FIELDS",
     "Kind",
     "Message",
     "coalesce",
@@ -70,8 +71,6 @@ class Kind(IntEnum):
     SET_POLICY = 7
     SET_WEIGHTS = 8
     ROLLOUT = 9
-    LEARNER_LOGITS = 10
-    PING = 11
     SHARE_OBS = 12
 
     HELLO = 101
@@ -87,10 +86,13 @@ class Kind(IntEnum):
 
 _KINDS = {int(kind): kind for kind in Kind}
 
+#: The transition arrays of a ROLLOUT_RESULT, in frame order (``next_obs`` follows them).
+ROLLOUT_FIELDS = ("obs", "actions", "logprobs", "logits", "rewards", "terminations", "truncations", "autoreset")
+
 
 @dataclass
 class Message:
-    """A decoded message. ``blobs`` stay bytes: the caller decides whether to unpickle."""
+    """A decoded message, or a worker handler's reply. ``blobs`` stay bytes: the caller decides whether to unpickle."""
 
     kind: Kind
     meta: dict[str, Any] = field(default_factory=dict)

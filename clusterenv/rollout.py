@@ -1,23 +1,7 @@
-"""Rollouts with policies on the workers: the worker-side handlers and the learner-side runner.
+"""Rollouts with policies on the workers: the learner-side :class:`PolicyRunner` and its :class:`RolloutBatch`.
 
-Protocol, per worker and per :meth:`PolicyRunner.rollout`::
-
-    learner                                        worker
-    ROLLOUT(num_steps, learner_version, head,  →   KL(π_learner ‖ π_local) on its probe states
-            learner outputs on the worker's        strategy.should_pull(...)?
-            probe states)                          ├─ no:  act num_steps steps
-                                               ←   │       ROLLOUT_RESULT(transitions, version, kl)
-                                               ←   └─ yes: WEIGHTS_REQUEST(kl)
-    SET_WEIGHTS(version, weight arrays)        →          load, then act num_steps steps
-                                               ←          ROLLOUT_RESULT(transitions, version, kl)
-
-so a pull costs one extra round trip, only when it happens. The probe states are the
-observations of the worker's last ``probe_steps`` steps: the learner has just received
-them in the previous ROLLOUT_RESULT and the worker kept its own outputs on them, so only
-the learner's small ``(states, actions)`` output array travels. The policy itself
-(architecture once, weights as raw frames) travels with SET_POLICY when the runner is made.
-
-Workers import torch only when a policy arrives; this module does not import it.
+The worker-side handlers and the message flow of one rollout are in
+:mod:`clusterenv.worker_policy`. This module does not import torch at module level.
 """
 
 from __future__ import annotations
@@ -31,25 +15,22 @@ from typing import TYPE_CHECKING, Any
 import cloudpickle
 import numpy as np
 from gymnasium.vector import AutoresetMode
-from gymnasium.vector.async_vector_env import AsyncState
 
-from clusterenv.env import ClusterEnv
+from clusterenv.batching import InfoRecord, replay_infos
+from clusterenv.env import WORKER_RESTARTED_KEY, ClusterEnv
 from clusterenv.errors import PolicyError, ProtocolError
-from clusterenv.heads import Categorical, Head, head_from_meta
-from clusterenv.protocol import Kind, Message
-from clusterenv.sync import EveryUpdate, SyncStrategy, Telemetry, WorkerTelemetry, mean_kl
+from clusterenv.heads import Categorical, Head
+from clusterenv.pool import WorkerPool, weak_callback
+from clusterenv.protocol import ROLLOUT_FIELDS, Kind, Message
+from clusterenv.sync import EveryUpdate, SyncStrategy, Telemetry, WorkerTelemetry
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
     from clusterenv.policy import LocalPolicy
-    from clusterenv.worker import Worker
 
-__all__ = ["PolicyRunner", "RolloutBatch", "install"]
-
-# The transition arrays of a ROLLOUT_RESULT, in frame order.
-_FIELDS = ("obs", "actions", "logprobs", "logits", "rewards", "terminations", "truncations", "autoreset")
+__all__ = ["PolicyRunner", "RolloutBatch"]
 
 
 @dataclass
@@ -133,105 +114,6 @@ class RolloutBatch:
         return ended
 
 
-# -- worker side ---------------------------------------------------------------------------
-class _WorkerPolicy:
-    """The local policy copy of one worker and the handlers that use it."""
-
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
-        self.policy: LocalPolicy | None = None
-        self.strategy: SyncStrategy = EveryUpdate()
-        self.rngs: list[np.random.Generator] = []
-        self.action_start = 0
-        self.probe_outputs: np.ndarray | None = None
-        self.pending: dict[str, Any] | None = None
-
-    def set_policy(self, msg: Message) -> tuple:
-        import torch
-
-        from clusterenv.policy import LocalPolicy
-
-        # The workers are the parallelism: more threads per worker only oversubscribe cores.
-        torch.set_num_threads(1)
-        envs = self.worker.envs
-        assert envs is not None
-        self.policy = LocalPolicy(msg.blobs[0], msg.meta["names"], list(msg.arrays), version=msg.meta["version"])
-        self.strategy = pickle.loads(msg.blobs[1])
-        seed = msg.meta["seed"]
-        # One generator per env, keyed by its global index: samples do not depend on the worker split.
-        offset = self.worker.env_offset
-        self.rngs = [np.random.default_rng(None if seed is None else [seed, offset + i]) for i in range(envs.num_envs)]
-        self.action_start = int(envs.single_action_space.start)  # type: ignore[attr-defined]
-        self.probe_outputs = None
-        self.pending = None
-        return Kind.VALUE, {}, [], []
-
-    def rollout(self, msg: Message) -> tuple:
-        if self.policy is None:
-            raise PolicyError("ROLLOUT before SET_POLICY: this worker holds no policy.")
-        request = dict(msg.meta, head=head_from_meta(msg.meta["head"]), kl=None)
-        if msg.arrays and self.probe_outputs is not None:
-            request["kl"] = mean_kl(request["head"], msg.arrays[0], self.probe_outputs)
-        pull = self.strategy.should_pull(
-            local_version=self.policy.version, learner_version=msg.meta["learner_version"], kl=request["kl"]
-        )
-        if pull:
-            self.pending = request
-            return Kind.WEIGHTS_REQUEST, {"kl": request["kl"], "version": self.policy.version}, [], []
-        return self._act(request)
-
-    def set_weights(self, msg: Message) -> tuple:
-        if self.policy is None:
-            raise PolicyError("SET_WEIGHTS before SET_POLICY: this worker holds no policy.")
-        self.policy.load(list(msg.arrays), msg.meta["version"])
-        request, self.pending = self.pending, None
-        return (Kind.VALUE, {}, [], []) if request is None else self._act(request)
-
-    def _act(self, request: dict[str, Any]) -> tuple:
-        envs, policy = self.worker.envs, self.policy
-        assert envs is not None and policy is not None
-        steps, head, n = int(request["num_steps"]), request["head"], envs.num_envs
-        next_step = envs.autoreset_mode == AutoresetMode.NEXT_STEP
-        current = envs._observations
-        num_actions = int(envs.single_action_space.n)  # type: ignore[attr-defined]
-        out: dict[str, np.ndarray] = {
-            "obs": np.empty((steps, *current.shape), dtype=current.dtype),
-            "actions": np.empty((steps, n), dtype=np.int64),
-            "logprobs": np.empty((steps, n), dtype=np.float32),
-            "logits": np.empty((steps, n, num_actions), dtype=np.float32),
-            "rewards": np.empty((steps, n), dtype=np.float64),
-            "terminations": np.empty((steps, n), dtype=np.bool_),
-            "truncations": np.empty((steps, n), dtype=np.bool_),
-            "autoreset": np.zeros((steps, n), dtype=np.bool_),
-        }
-        info_logs = []
-        for t in range(steps):
-            # Copy: with copy=False the env writes its next observation into this same buffer.
-            out["obs"][t] = current
-            if next_step:
-                out["autoreset"][t] = envs._autoreset_envs
-            logits = policy.outputs(out["obs"][t])
-            out["logits"][t] = logits
-            actions, out["logprobs"][t] = head.act(logits, np.array([rng.random() for rng in self.rngs]))
-            out["actions"][t] = actions + self.action_start
-            current, out["rewards"][t], out["terminations"][t], out["truncations"][t], _ = envs.step(out["actions"][t])
-            info_logs.append(envs.info_log)
-            envs.info_log = []
-        probe = min(int(request["probe_steps"]), steps)
-        self.probe_outputs = out["logits"][steps - probe :].reshape(probe * n, -1).copy()
-        arrays = [out[name] for name in _FIELDS] + [np.array(current)]
-        blobs = [cloudpickle.dumps(info_logs) if any(info_logs) else b""]
-        return Kind.ROLLOUT_RESULT, {"version": policy.version, "kl": request["kl"]}, arrays, blobs
-
-
-def install(worker: Worker) -> None:
-    """Register the local-policy commands on a worker (called by ``clusterenv.worker``)."""
-    state = _WorkerPolicy(worker)
-    worker.handlers[Kind.SET_POLICY] = state.set_policy
-    worker.handlers[Kind.SET_WEIGHTS] = state.set_weights
-    worker.handlers[Kind.ROLLOUT] = state.rollout
-
-
 # -- learner side --------------------------------------------------------------------------
 class PolicyRunner:
     """Collect rollouts with a local copy of ``policy`` in every worker of a :class:`ClusterEnv`.
@@ -244,8 +126,10 @@ class PolicyRunner:
     continues from wherever the envs are. One runner per env at a time: a new runner's
     policy replaces the old one's in the workers.
 
-    Workers replaced after a failure (``on_worker_failure="restart"``) do not get the policy
-    back: a rollout they were part of raises ``WorkerLostError``.
+    A worker replaced after a failure (``on_worker_failure="restart"``) gets the policy back
+    at the current version; a rollout it was part of is replayed there on freshly reset
+    envs, flagged ``infos[0]["worker_restarted"]`` (the cut episode simply ends unflagged
+    at the previous batch's ``next_obs``, from which the learner bootstraps).
 
     Example:
         >>> import clusterenv, torch
@@ -325,25 +209,32 @@ class PolicyRunner:
 
     # -- shipping --------------------------------------------------------------------------
     def _ship(self, strategy: bytes) -> None:
-        envs = self.envs
-        meta = {"names": self._names, "version": self._version, "seed": self.seed}
-        size = len(self._architecture) + sum(a.nbytes for a in self._weights)
-        self._call(lambda w: envs._send(w, Kind.SET_POLICY, meta, self._weights, [self._architecture, strategy]))
-        for record in self._telemetry.workers:
-            record.initial_bytes += size
+        self._strategy = strategy
+        with self.envs.pending_call() as pool:
+            for w in range(pool.num_workers):
+                self._send_policy(pool, w)
+            pool.gather(range(pool.num_workers), "installing the local policies", self._timeout())
+        # A replacement worker (on_worker_failure="restart") gets the policy back, at the current version.
+        pool.restart_hooks.append(weak_callback(self._reinstall))
+        pool.replayable.add(Kind.ROLLOUT)
 
-    def _call(self, send: Callable[[int], None], on_request: Callable[[int, Message], bool] | None = None) -> dict:
-        """Send one command to every worker and gather the replies, as one pending call of the env."""
-        envs = self.envs
-        envs._begin(AsyncState.WAITING_CALL)
-        envs._state = AsyncState.WAITING_CALL
-        try:
-            for w in range(envs.num_workers):
-                send(w)
-            timeout = envs.timeout if self.timeout is None else self.timeout
-            return envs._gather(range(envs.num_workers), "running the local policies", timeout, on_request)
-        finally:
-            envs._state = AsyncState.DEFAULT
+    def _send_policy(self, pool: WorkerPool, worker_id: int) -> None:
+        meta = {"names": self._names, "version": self._version, "seed": self.seed}
+        pool.send(worker_id, Kind.SET_POLICY, meta, self._weights, [self._architecture, self._strategy])
+        self._telemetry.workers[worker_id].initial_bytes += len(self._architecture) + sum(
+            a.nbytes for a in self._weights
+        )
+
+    def _reinstall(self, worker_id: int) -> None:
+        pool = self.envs.pool
+        self._send_policy(pool, worker_id)
+        pool.gather(
+            [worker_id], f"installing the local policy on a replacement for worker {worker_id}", self._timeout()
+        )
+        self._probe_obs[worker_id] = None
+
+    def _timeout(self) -> float | None:
+        return self.envs.timeout if self.timeout is None else self.timeout
 
     def publish(self, policy: nn.Module | None = None) -> int:
         """Make the current weights of ``policy`` (default: the one given) the learner's next version.
@@ -400,7 +291,7 @@ class PolicyRunner:
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
             raise ValueError(f"`num_steps` must be a positive integer, got {num_steps!r}.")
         envs = self.envs
-        if envs._needs_reset:
+        if envs.needs_reset:
             envs.reset(seed=self.seed)
         head = self.head if head is None else head
         outputs = self._probe_outputs() if self.send_probes else [None] * envs.num_workers
@@ -411,13 +302,15 @@ class PolicyRunner:
             "probe_steps": self.probe_steps,
         }
 
-        def send(w: int) -> None:
-            probe = outputs[w]
-            envs._send(w, Kind.ROLLOUT, meta, [] if probe is None else [probe])
-            if probe is not None:
-                self._telemetry.workers[w].probe_bytes += probe.nbytes
-
-        return self._assemble(self._call(send, self._answer_pull), num_steps)
+        with envs.pending_call() as pool:
+            for w, probe in enumerate(outputs):
+                pool.send(w, Kind.ROLLOUT, meta, [] if probe is None else [probe])
+                if probe is not None:
+                    self._telemetry.workers[w].probe_bytes += probe.nbytes
+            replies = pool.gather(
+                range(pool.num_workers), "running the local policies", self._timeout(), self._answer_pull
+            )
+        return self._assemble(replies, num_steps)
 
     def _probe_outputs(self) -> list[np.ndarray | None]:
         """The latest version's outputs on each worker's probe states, in one forward pass."""
@@ -438,7 +331,7 @@ class PolicyRunner:
     def _answer_pull(self, worker_id: int, msg: Message) -> bool:
         if msg.kind is not Kind.WEIGHTS_REQUEST:
             return False
-        self.envs._send(worker_id, Kind.SET_WEIGHTS, {"version": self._version}, self._weights)
+        self.envs.pool.send(worker_id, Kind.SET_WEIGHTS, {"version": self._version}, self._weights)
         record = self._telemetry.workers[worker_id]
         record.pulls += 1
         record.weight_bytes += sum(a.nbytes for a in self._weights)
@@ -446,13 +339,14 @@ class PolicyRunner:
 
     def _assemble(self, replies: dict[int, Message], steps: int) -> RolloutBatch:
         envs = self.envs
-        parts: dict[str, list[np.ndarray]] = {name: [] for name in (*_FIELDS, "policy_versions", "next_obs")}
-        logs: list[tuple[int, list[list[tuple[int, dict[str, Any]]]]]] = []
-        for w in range(envs.num_workers):
-            msg, sl = replies[w], envs._slices[w]
-            if msg.kind is not Kind.ROLLOUT_RESULT or len(msg.arrays) != len(_FIELDS) + 1:
+        parts: dict[str, list[np.ndarray]] = {name: [] for name in (*ROLLOUT_FIELDS, "policy_versions", "next_obs")}
+        logs: list[tuple[int, list[list[InfoRecord]]]] = []
+        restarted: list[InfoRecord] = []
+        for w, sl in enumerate(envs.worker_slices):
+            msg = replies[w]
+            if msg.kind is not Kind.ROLLOUT_RESULT or len(msg.arrays) != len(ROLLOUT_FIELDS) + 1:
                 raise ProtocolError(f"Worker {w} answered a rollout with {msg.kind.name} and {len(msg.arrays)} arrays.")
-            for name, array in zip(_FIELDS, msg.arrays, strict=False):
+            for name, array in zip(ROLLOUT_FIELDS, msg.arrays, strict=False):
                 parts[name].append(array)
             parts["next_obs"].append(msg.arrays[-1])
             version = int(msg.meta["version"])
@@ -466,12 +360,15 @@ class PolicyRunner:
             self._probe_obs[w] = obs[steps - probe :].reshape(probe * obs.shape[1], *obs.shape[2:]).copy()
             if msg.blobs[0]:
                 logs.append((sl.start, pickle.loads(msg.blobs[0])))
+            if msg.meta.get("restarted"):
+                restarted += [(i, {WORKER_RESTARTED_KEY: True}) for i in range(sl.start, sl.stop)]
         infos: list[dict[str, Any]] = []
         for t in range(steps):
             info: dict[str, Any] = {}
             for start, worker_logs in logs:
-                for local_index, env_info in worker_logs[t]:
-                    info = envs._add_info(info, env_info, start + local_index)
+                info = replay_infos(info, worker_logs[t], envs.num_envs, start)
             infos.append(info)
+        if restarted:  # a replacement's envs started new episodes at step 0
+            infos[0] = replay_infos(infos[0], restarted, envs.num_envs, 0)
         arrays = {name: np.concatenate(values, axis=0 if name == "next_obs" else 1) for name, values in parts.items()}
         return RolloutBatch(**arrays, infos=infos, learner_version=self._version)

@@ -31,7 +31,6 @@ __all__ = [
     "is_loopback",
     "new_identity",
     "resolve_secret",
-    "worker_identity",
 ]
 
 logger = logging.getLogger(__name__)
@@ -39,11 +38,6 @@ logger = logging.getLogger(__name__)
 SECRET_ENV_VAR = "CLUSTERENV_SECRET"
 # A generous cap: policy weights travel in one message. Larger messages are dropped by ZeroMQ.
 MAX_MESSAGE_BYTES = 1 << 31
-
-
-def worker_identity(worker_id: int) -> bytes:
-    """The ROUTER routing id of worker ``worker_id``."""
-    return f"worker-{worker_id}".encode()
 
 
 def new_identity(worker_id: int | None) -> bytes:

@@ -27,11 +27,11 @@ import zmq
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 from clusterenv import shared_obs
-from clusterenv.batching import is_array_tree, leaf_arrays, unflatten
+from clusterenv.batching import InfoRecord, is_array_tree, leaf_arrays, unflatten
 from clusterenv.liveness import LEARNER_LOST_EXIT_CODE, Heartbeat, HeartbeatClient
 from clusterenv.protocol import Kind, Message
-from clusterenv.rollout import install as install_rollout
 from clusterenv.transport import SECRET_ENV_VAR, Channel, new_identity, resolve_secret
+from clusterenv.worker_policy import install as install_policy_handlers
 
 __all__ = ["Worker", "main", "serve"]
 
@@ -51,12 +51,37 @@ class _RecordingVectorEnv(SyncVectorEnv):
     over all envs would have built (same keys, order, dtypes and masks).
     """
 
-    info_log: list[tuple[int, dict[str, Any]]]
+    info_log: list[InfoRecord]
 
     def _add_info(self, vector_infos: dict[str, Any], env_info: dict[str, Any], env_num: int) -> dict[str, Any]:
         if env_info:
             self.info_log.append((env_num, env_info))
         return vector_infos
+
+    # The one place that reaches into SyncVectorEnv's internals.
+    @property
+    def current_observations(self) -> Any:
+        """The batch of current observations (the buffer ``step`` writes into, ``copy=False``)."""
+        return self._observations
+
+    def env_observations(self) -> list[Any]:
+        """The current per-env observations, for spaces without a fixed array form."""
+        return self._env_obs
+
+    def autoresetting(self) -> np.ndarray:
+        """Under NEXT_STEP, which envs' next step is an autoreset step (a copy)."""
+        return self._autoreset_envs.copy()
+
+    def mark_autoreset_pending(self) -> None:
+        """Make every env's next step an autoreset step, as after a truncation (a replacement's envs)."""
+        self._autoreset_envs = np.ones(self.num_envs, dtype=np.bool_)
+
+    def write_observations_into(self, view: Any) -> None:
+        """From now on, write observations into ``view`` (shared memory), starting from the current ones."""
+        space = self.single_observation_space
+        for new, old in zip(leaf_arrays(space, view), leaf_arrays(space, self._observations), strict=True):
+            new[...] = old
+        self._observations = view  # SyncVectorEnv's concatenate(..., out=) now fills it
 
 
 def _failing_env_index(exc: BaseException) -> int | None:
@@ -89,7 +114,7 @@ class Worker:
         self.env_offset = 0
         self.envs: _RecordingVectorEnv | None = None
         self.array_obs = True
-        self.handlers: dict[Kind, Callable[[Message], tuple]] = {
+        self.handlers: dict[Kind, Callable[[Message], Message]] = {
             Kind.INIT: self.init,
             Kind.RESET: self.reset,
             Kind.STEP: self.step,
@@ -98,9 +123,10 @@ class Worker:
             Kind.SHARE_OBS: self.share_obs,
         }
         self.shared_obs = False  # observations are written into the learner's shared batch
+        self.never_reset = True  # a fresh (or replacement) worker's envs have no observation yet
 
     # -- lifecycle -------------------------------------------------------------------------
-    def init(self, msg: Message) -> tuple:
+    def init(self, msg: Message) -> Message:
         """Build this worker's envs from the pickled factories and describe their spaces."""
         env_fns = [pickle.loads(blob) for blob in msg.blobs]
         self.env_offset = int(msg.meta["env_offset"])
@@ -111,10 +137,10 @@ class Worker:
             autoreset_mode=AutoresetMode(msg.meta["autoreset_mode"]),
         )
         self.envs.info_log = []
-        if msg.meta.get("autoreset_pending"):
+        if msg.meta.get("replacement") and self.envs.autoreset_mode is AutoresetMode.NEXT_STEP:
             # A replacement for a lost worker: its envs' episodes were cut short, so under
             # NEXT_STEP their next step is the autoreset step (see docs/cluster.md).
-            self.envs._autoreset_envs = np.ones(self.envs.num_envs, dtype=np.bool_)
+            self.envs.mark_autoreset_pending()
         self.array_obs = is_array_tree(self.envs.single_observation_space)
         description = {
             "observation_spaces": [env.observation_space for env in self.envs.envs],
@@ -122,29 +148,30 @@ class Worker:
             "metadata": self.envs.envs[0].metadata,
             "render_mode": self.envs.render_mode,
         }
-        return Kind.READY, {}, [], [cloudpickle.dumps(description)]
+        return Message(Kind.READY, blobs=[cloudpickle.dumps(description)])
 
     # -- stepping --------------------------------------------------------------------------
-    def _result(self, obs: Any, extra: list[np.ndarray]) -> tuple:
+    def _result(self, obs: Any, extra: list[np.ndarray]) -> Message:
         assert self.envs is not None
         log, self.envs.info_log = self.envs.info_log, []
         framed = self.array_obs and not self.shared_obs
         arrays = (leaf_arrays(self.envs.single_observation_space, obs) if framed else []) + extra
         blobs = [b""] if not log else [_dumps(log)]
         if not self.array_obs:
-            blobs.append(_dumps(self.envs._env_obs))
-        return Kind.RESULT, {}, arrays, blobs
+            blobs.append(_dumps(self.envs.env_observations()))
+        return Message(Kind.RESULT, {}, arrays, blobs)
 
-    def reset(self, msg: Message) -> tuple:
+    def reset(self, msg: Message) -> Message:
         """Reset the envs (those in the mask, if any) with their seeds."""
         assert self.envs is not None
         options = pickle.loads(msg.blobs[0]) if msg.blobs else None
         if msg.meta.get("mask") is not None:
             options = dict(options or {}, reset_mask=np.array(msg.meta["mask"], dtype=np.bool_))
         obs, _ = self.envs.reset(seed=msg.meta["seeds"], options=options)
+        self.never_reset = False
         return self._result(obs, [])
 
-    def step(self, msg: Message) -> tuple:
+    def step(self, msg: Message) -> Message:
         """Step every env with its slice of the actions."""
         assert self.envs is not None
         # Copies: env code may write into its action, and received frames are read-only.
@@ -152,46 +179,43 @@ class Worker:
         obs, rewards, terminations, truncations, _ = self.envs.step(actions)
         return self._result(obs, [rewards, terminations, truncations])
 
-    def share_obs(self, msg: Message) -> tuple:
+    def share_obs(self, msg: Message) -> Message:
         """Write observations into the learner's shared batch from now on, if it can be mapped here."""
         assert self.envs is not None
         view = None
         if self.array_obs and int(msg.meta["stop"]) - int(msg.meta["start"]) == self.envs.num_envs:
             view = shared_obs.attach(msg.meta, self.envs.single_observation_space)
         if view is not None:
-            space = self.envs.single_observation_space
-            for new, old in zip(leaf_arrays(space, view), leaf_arrays(space, self.envs._observations), strict=True):
-                new[...] = old
-            self.envs._observations = view  # SyncVectorEnv's concatenate(..., out=) now fills the shared slice
+            self.envs.write_observations_into(view)
             self.shared_obs = True
-        return Kind.VALUE, {"attached": self.shared_obs}, [], []
+        return Message(Kind.VALUE, {"attached": self.shared_obs})
 
     # -- attributes ------------------------------------------------------------------------
-    def call(self, msg: Message) -> tuple:
+    def call(self, msg: Message) -> Message:
         """Call (or read) an attribute of every env."""
         assert self.envs is not None
         args, kwargs = pickle.loads(msg.blobs[0])
         results = self.envs.call(msg.meta["name"], *args, **kwargs)
-        return Kind.VALUE, {}, [], [cloudpickle.dumps(list(results))]
+        return Message(Kind.VALUE, blobs=[cloudpickle.dumps(list(results))])
 
-    def set_attr(self, msg: Message) -> tuple:
+    def set_attr(self, msg: Message) -> Message:
         """Set an attribute on every env, one value each."""
         assert self.envs is not None
         self.envs.set_attr(msg.meta["name"], list(pickle.loads(msg.blobs[0])))
-        return Kind.VALUE, {}, [], [cloudpickle.dumps(None)]
+        return Message(Kind.VALUE, blobs=[cloudpickle.dumps(None)])
 
     def close(self) -> None:
         """Close the envs."""
         if self.envs is not None:
             self.envs.close()
 
-    def handle(self, msg: Message) -> tuple:
-        """Run the handler for ``msg`` and return ``(kind, meta, arrays, blobs)`` to reply."""
+    def handle(self, msg: Message) -> Message:
+        """Run the handler for ``msg`` and return the reply."""
         handler = self.handlers.get(msg.kind)
         if handler is None:
-            return Kind.ERROR, _error_meta(None, "ProtocolError", f"Worker cannot handle {msg.kind.name}.", ""), [], []
+            return Message(Kind.ERROR, _error_meta(None, "ProtocolError", f"Worker cannot handle {msg.kind.name}.", ""))
         if msg.kind is not Kind.INIT and self.envs is None:
-            return Kind.ERROR, _error_meta(None, "ProtocolError", f"{msg.kind.name} before INIT.", ""), [], []
+            return Message(Kind.ERROR, _error_meta(None, "ProtocolError", f"{msg.kind.name} before INIT.", ""))
         return handler(msg)
 
 
@@ -215,7 +239,7 @@ def _error_meta(env_index: int | None, exc_type: str, message: str, tb: str) -> 
     return {"env_index": env_index, "exc_type": exc_type, "message": message, "traceback": tb}
 
 
-def _error_reply(worker: Worker, exc: BaseException) -> tuple:
+def _error_reply(worker: Worker, exc: BaseException) -> Message:
     local = _failing_env_index(exc)
     env_index = None if local is None else worker.env_offset + local
     try:
@@ -223,7 +247,7 @@ def _error_reply(worker: Worker, exc: BaseException) -> tuple:
     except Exception:
         blobs = []
     meta = _error_meta(env_index, type(exc).__name__, str(exc), traceback.format_exc())
-    return Kind.ERROR, meta, [], blobs
+    return Message(Kind.ERROR, meta, [], blobs)
 
 
 def serve(
@@ -251,7 +275,7 @@ def serve(
     identity = new_identity(worker_id)
     channel = Channel.connect_dealer(context, address, key, identity)
     worker = Worker(-1 if worker_id is None else worker_id)
-    install_rollout(worker)  # the local-policy commands (SET_POLICY, SET_WEIGHTS, ROLLOUT)
+    install_policy_handlers(worker)  # the local-policy commands (SET_POLICY, SET_WEIGHTS, ROLLOUT)
     heart: HeartbeatClient | None = None
     join_deadline = None if join_timeout is None else time.monotonic() + join_timeout
     try:
@@ -281,10 +305,10 @@ def serve(
                 return 0
             seq = msg.meta.get("seq")
             try:
-                kind, meta, arrays, blobs = worker.handle(msg)
+                reply = worker.handle(msg)
             except Exception as exc:
-                kind, meta, arrays, blobs = _error_reply(worker, exc)
-            channel.send(kind, {**meta, "seq": seq}, arrays, blobs)
+                reply = _error_reply(worker, exc)
+            channel.send(reply.kind, {**reply.meta, "seq": seq}, reply.arrays, reply.blobs)
     finally:
         if heart is not None:
             heart.close()

@@ -297,6 +297,8 @@ def test_repr_without_spec():
 # -- the package surface ---------------------------------------------------------------------
 def test_all_lists_exactly_the_public_names():
     """As httpx does: ``from clusterenv import *`` is the documented API, no more, no less."""
+    for name in clusterenv.__all__:  # the package imports its public names on first use
+        getattr(clusterenv, name)
     names = {
         name
         for name, value in vars(clusterenv).items()

@@ -1,0 +1,448 @@
+"""``WorkerPool``: the learner's side of its worker processes.
+
+The pool carries commands and replies; it knows nothing of environments. It owns the
+ROUTER channel, the heartbeat monitor, the launcher, which routing id is which worker,
+the per-call sequence number (a reply counts only if it answers the current call), and
+the translation of remote errors, timeouts and lost workers into exceptions.
+:class:`~clusterenv.env.ClusterEnv` builds the commands and reads the replies.
+
+Restarts (``on_worker_failure="restart"``): when a worker is lost (its process exited,
+or it stopped answering heartbeats), the pool first collects every other worker's reply,
+so no other env's data is lost or duplicated. Then, for each lost worker, it ends the old
+process if it can, starts a replacement through the launcher, waits for it to join,
+replays its INIT (the same env factories, flagged ``replacement``), runs the
+``restart_hooks`` (a policy runner re-installs its policy there), and then:
+
+* ``reset``, ``call``, ``get_attr``, ``set_attr``: replays the command, so a seeded reset
+  returns exactly what the lost worker would have returned;
+* ``step``: adds the worker to :attr:`WorkerPool.interrupted`; the env reports the cut
+  episode as truncated (see docs/cluster.md for the exact semantics);
+* commands an extension added to :attr:`WorkerPool.replayable` (a policy runner's
+  rollout): replays them on the fresh envs;
+* anything else: raises ``WorkerLostError``.
+
+A replacement that fails in turn raises: restarts do not loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import secrets
+import time
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import zmq
+
+from clusterenv.errors import RemoteEnvError, WorkerLostError, WorkerStartError, WorkerTimeoutError
+from clusterenv.launch import Launcher, resolve_launcher
+from clusterenv.liveness import Heartbeat, HeartbeatMonitor, heartbeat_address
+from clusterenv.protocol import Kind, Message
+from clusterenv.transport import Channel, is_loopback, resolve_secret
+
+__all__ = ["WorkerPool", "weak_callback"]
+
+logger = logging.getLogger(__name__)
+
+# While waiting for replies, wake this often to notice a worker process that died.
+LIVENESS_POLL_S = 0.05
+# HELLOs kept while busy, for external replacement workers; the peers are authenticated, the bound is a safeguard.
+_MAX_EARLY_HELLOS = 64
+# Lets a CLOSE queued for a connected worker leave before the socket goes; peers that are gone hold nothing up.
+_CLOSE_LINGER_MS = 500
+# Commands whose effect on fresh envs is what the user asked for, so they can simply be sent again.
+_REPLAYABLE = (Kind.RESET, Kind.CALL, Kind.SET_ATTR)
+# Commands whose interruption the caller reports itself (a step: the episode was cut).
+_INTERRUPTIBLE = frozenset({Kind.STEP})
+
+
+class WorkerPool:
+    """The learner's workers: start and join, send and gather, liveness, errors, close, restart.
+
+    Args:
+        num_workers: how many workers (ids ``0 .. num_workers - 1``).
+        bind: learner address; ``None`` is a private ``ipc://`` socket. Non-loopback addresses require a secret.
+        secret: shared HMAC secret (or ``$CLUSTERENV_SECRET``); random when workers are local.
+        launcher: ``"local"``, ``"external"``, ``"ray"`` or a :class:`~clusterenv.launch.Launcher`.
+        heartbeat: heartbeat constants; a worker silent for ``interval * liveness`` seconds is lost.
+        on_worker_failure: ``"raise"`` or ``"restart"``.
+        start_timeout: seconds for workers to join and build their envs.
+        describe_work: names what a worker was running in a lost-worker error, e.g. ``"envs 4..7"``.
+    """
+
+    def __init__(
+        self,
+        num_workers: int,
+        *,
+        bind: str | None,
+        secret: str | bytes | None,
+        launcher: Launcher | str | None,
+        heartbeat: Heartbeat,
+        on_worker_failure: str,
+        start_timeout: float,
+        describe_work: Callable[[int], str] = lambda worker_id: f"worker {worker_id}",
+    ) -> None:
+        key = resolve_secret(secret)
+        if bind is not None and not is_loopback(bind) and key is None:
+            raise ValueError(
+                f"Refusing to bind {bind!r} without a shared secret: anyone who can reach it could "
+                "send pickled code to workers. Pass `secret=` or set $CLUSTERENV_SECRET, or bind a "
+                "loopback address."
+            )
+        self.num_workers = num_workers
+        self.heartbeat = heartbeat
+        self.on_worker_failure = on_worker_failure
+        self.start_timeout = start_timeout
+        self.describe_work = describe_work
+        self.launcher: Launcher = resolve_launcher(launcher)
+        if bind is None and getattr(self.launcher, "requires_tcp", False):
+            bind = "tcp://127.0.0.1:*"  # workers connect from other processes that Ray starts, on this host
+        self._context = zmq.Context()
+        self._channel = Channel.bind_router(self._context, bind, key or secrets.token_hex(32).encode())
+        self.address = self._channel.endpoint
+        try:
+            self._monitor = HeartbeatMonitor(
+                self._context, heartbeat_address(bind) if bind else None, self._channel.key, heartbeat
+            )
+        except BaseException:
+            self._channel.close()
+            self._context.term()
+            raise
+        self.seq = 0
+        #: Called with a worker id once its replacement is built, before the interrupted command is replayed.
+        self.restart_hooks: list[Callable[[int], None]] = []
+        #: Commands replayed on a replacement worker; extensions add theirs (a rollout on fresh envs).
+        self.replayable: set[Kind] = set(_REPLAYABLE)
+        #: Workers whose STEP was cut by a restart; the caller reports them and clears the set.
+        self.interrupted: set[int] = set()
+        #: Called once on an error that leaves the workers unusable (``terminate``: kill, don't wait).
+        self.on_fatal: Callable[[bool], None] = self.close_after_error
+        self.closed = False
+        self._identities: dict[int, bytes] = {}
+        self._peers: dict[bytes, int] = {}
+        self._info: dict[int, dict[str, Any]] = {}
+        self._init_commands: dict[int, tuple[dict[str, Any], list[bytes]]] = {}
+        self._last_sent: dict[int, tuple[Kind, dict[str, Any] | None, Sequence[np.ndarray], Sequence[bytes]]] = {}
+        self._failed: set[int] = set()
+        self._early_hellos: list[tuple[bytes | None, Message]] = []
+        self._recovering = False
+        self._finalizer = weakref.finalize(self, _shutdown, self.launcher, self._monitor, self._channel, self._context)
+
+    @property
+    def key(self) -> bytes:
+        """The shared secret the channel authenticates with."""
+        return self._channel.key
+
+    # -- joining ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start every worker through the launcher and wait for each to join."""
+        ids = list(range(self.num_workers))
+        self.launcher.start(ids, self.address, self.key)
+        self._join(ids, self.start_timeout)
+
+    def _join(self, worker_ids: list[int], timeout: float) -> None:
+        """Wait for a HELLO for each id; a worker asking for no id (``clusterenv-worker`` by hand) gets a free one.
+
+        Unauthenticated peers never get here (the channel drops them); authenticated ones
+        asking for an id that is taken or not expected are told to CLOSE.
+        """
+        wanted = set(worker_ids)
+        deadline = time.monotonic() + timeout
+        while wanted:
+            for w in sorted(wanted):
+                code = self.launcher.exit_code(w)
+                if code is not None:
+                    raise WorkerStartError(
+                        f"{self.launcher.describe(w)} exited with code {code} before joining {self.address}."
+                    )
+            if time.monotonic() > deadline:
+                hint = getattr(self.launcher, "join_hint", None)
+                raise WorkerStartError(
+                    f"{len(worker_ids) - len(wanted)} of {len(worker_ids)} workers joined {self.address} within "
+                    f"start_timeout={timeout} s; worker ids {sorted(wanted)} are missing."
+                    + (f" {hint(self.address)}" if hint is not None else "")
+                )
+            received = self._early_hellos.pop(0) if self._early_hellos else None
+            received = received or self._channel.recv(LIVENESS_POLL_S, routed=True)
+            if received is None:
+                continue
+            sender, msg = received
+            if msg.kind is not Kind.HELLO or sender is None or sender in self._peers:
+                logger.warning("Ignored %s from peer %r while waiting for workers to join.", msg.kind.name, sender)
+                continue
+            asked = msg.meta.get("worker_id")
+            if asked in wanted or asked is None:
+                worker_id = min(wanted) if asked is None else int(asked)
+            else:
+                logger.warning(
+                    "Turned away a worker on %s (pid %s) asking for id %r: expected ids %s.",
+                    msg.meta.get("host"),
+                    msg.meta.get("pid"),
+                    asked,
+                    sorted(wanted),
+                )
+                try:
+                    self._channel.send(Kind.CLOSE, {"seq": self.seq}, to=sender)
+                except zmq.ZMQError:
+                    pass
+                continue
+            wanted.discard(worker_id)
+            self._identities[worker_id], self._peers[sender] = sender, worker_id
+            self._info[worker_id] = msg.meta
+
+    def send_init(self, worker_id: int, meta: dict[str, Any], blobs: list[bytes]) -> None:
+        """Send a worker its INIT (kept, to build a replacement the same way) and start watching its heartbeats."""
+        self._init_commands[worker_id] = (meta, blobs)
+        self._send_init(worker_id, replacement=False)
+
+    def _send_init(self, worker_id: int, *, replacement: bool) -> None:
+        meta, blobs = self._init_commands[worker_id]
+        self._monitor.watch(worker_id, self._identities[worker_id])  # the worker starts beating on receipt
+        pool_meta = {
+            "worker_id": worker_id,
+            "heartbeat": self.heartbeat.to_meta(),
+            "heartbeat_endpoint": self._monitor.endpoint,
+            "replacement": replacement,
+        }
+        self.send(worker_id, Kind.INIT, {**meta, **pool_meta}, blobs=blobs)
+
+    def host(self, worker_id: int) -> str | None:
+        """The host name worker ``worker_id`` reported when it joined."""
+        return self._info[worker_id].get("host")
+
+    @property
+    def worker_info(self) -> list[dict[str, Any]]:
+        """Per worker, what it said when it joined: ``{"worker_id", "host", "pid"}`` (replacements included)."""
+        return [
+            {"worker_id": w, "host": info.get("host"), "pid": info.get("pid")} for w, info in sorted(self._info.items())
+        ]
+
+    # -- commands --------------------------------------------------------------------------
+    def new_call(self) -> int:
+        """Start a new call: replies to earlier ones are ignored from now on."""
+        self.seq += 1
+        return self.seq
+
+    def send(
+        self,
+        worker_id: int,
+        kind: Kind,
+        meta: dict[str, Any] | None = None,
+        arrays: Sequence[np.ndarray] = (),
+        blobs: Sequence[bytes] = (),
+    ) -> None:
+        """Send one command of the current call to worker ``worker_id``."""
+        self._last_sent[worker_id] = (kind, meta, arrays, blobs)  # replayed to a replacement worker
+        try:
+            self._channel.send(
+                kind, {**(meta or {}), "seq": self.seq}, list(arrays), list(blobs), to=self._identities[worker_id]
+            )
+        except zmq.ZMQError as exc:
+            if self.on_worker_failure == "restart" and not self._recovering:
+                logger.warning("Worker %d is unreachable (%s); it will be replaced.", worker_id, exc)
+                self._failed.add(worker_id)
+                return
+            raise self._lost(worker_id, f"sending {kind.name}") from exc
+
+    def gather(
+        self,
+        worker_ids: Iterable[int],
+        doing: str,
+        timeout: float | None,
+        on_request: Callable[[int, Message], bool] | None = None,
+    ) -> dict[int, Message]:
+        """One reply per worker to the current call; raises on a remote error, a lost worker or a timeout.
+
+        Args:
+            worker_ids: the workers to wait for.
+            doing: what the call does, for error messages ("stepping").
+            timeout: seconds for all replies (``None``: forever).
+            on_request: may answer a mid-call request (a weight pull during a rollout) and
+                return True: that worker's final reply is then still to come.
+        """
+        worker_ids = list(worker_ids)
+        pending = set(worker_ids) - self._failed
+        replies: dict[int, Message] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pending:
+            # Checked before every receive, not only when idle, so that stray messages cannot postpone it.
+            if deadline is not None and time.monotonic() > deadline:
+                error = WorkerTimeoutError(
+                    f"Workers {sorted(pending)} did not reply within {timeout} s while {doing}. Their envs are "
+                    "now in an unknown state, so the ClusterEnv was closed. Raise `timeout` if the "
+                    "environments are this slow."
+                )
+                self.on_fatal(True)
+                raise error
+            received = self._channel.recv(LIVENESS_POLL_S, routed=True)
+            if received is None:
+                pending -= self._check_alive(pending, doing)
+                continue
+            sender, msg = received
+            worker_id = None if sender is None else self._peers.get(sender)
+            if worker_id is None and msg.kind is Kind.HELLO and len(self._early_hellos) < _MAX_EARLY_HELLOS:
+                self._early_hellos.append(received)  # a replacement that joined before the loss was seen
+                continue
+            if worker_id is None or msg.meta.get("seq") != self.seq:
+                continue  # a reply to a call that timed out earlier, or a stray peer
+            if msg.kind is Kind.ERROR:
+                raise self._remote_error(worker_id, msg, doing)
+            if on_request is not None and worker_id in pending and on_request(worker_id, msg):
+                continue
+            if worker_id in pending:
+                pending.discard(worker_id)
+                replies[worker_id] = msg
+        lost = self._failed.intersection(worker_ids)
+        if lost:
+            self._replace(sorted(lost), replies, doing)
+        return replies
+
+    def request(
+        self, worker_ids: Iterable[int], kind: Kind, meta: dict[str, Any], doing: str, timeout: float | None
+    ) -> dict[int, Message]:
+        """Send the same small command to ``worker_ids`` and gather their replies (within the current call)."""
+        worker_ids = list(worker_ids)
+        for w in worker_ids:
+            self.send(w, kind, meta)
+        return self.gather(worker_ids, doing, timeout)
+
+    # -- failures --------------------------------------------------------------------------
+    def _lost(self, worker_id: int, doing: str) -> WorkerLostError:
+        code = self.launcher.exit_code(worker_id)
+        silence = self._monitor.silence(worker_id)
+        if code is not None:
+            how = f"exited with code {code}"
+        elif silence is not None and silence > self.heartbeat.expiry:
+            how = (
+                f"stopped answering heartbeats ({silence:.1f} s silent; interval={self.heartbeat.interval} s, "
+                f"liveness={self.heartbeat.liveness})"
+            )
+        else:
+            how = "is unreachable"
+        error = WorkerLostError(
+            f"{self.launcher.describe(worker_id)}, running {self.describe_work(worker_id)}, {how} while {doing}."
+        )
+        self.on_fatal(True)
+        return error
+
+    def _check_alive(self, worker_ids: set[int], doing: str) -> set[int]:
+        """Workers among ``worker_ids`` that exited or expired: raised, or (restart) returned and marked failed."""
+        expired = self._monitor.expired()
+        lost = {w for w in worker_ids if w in expired or self.launcher.exit_code(w) is not None}
+        if lost and (self.on_worker_failure == "raise" or self._recovering):
+            raise self._lost(min(lost), doing)
+        for w in sorted(lost):
+            logger.warning("%s was lost while %s; replacing it.", self.launcher.describe(w), doing)
+        self._failed |= lost
+        return lost
+
+    def _remote_error(self, worker_id: int, msg: Message, doing: str) -> RemoteEnvError:
+        meta = msg.meta
+        where = f"env {meta['env_index']}" if meta.get("env_index") is not None else "an env"
+        error = RemoteEnvError(
+            f"{where} on worker {worker_id} raised {meta['exc_type']} while {doing}: {meta['message']}\n\n"
+            f"Remote traceback:\n{meta['traceback']}",
+            env_index=meta.get("env_index"),
+            worker_id=worker_id,
+            exc_type=meta["exc_type"],
+            remote_traceback=meta["traceback"],
+        )
+        if msg.blobs:
+            try:
+                error.__cause__ = pickle.loads(msg.blobs[0])
+            except Exception:
+                logger.debug("Could not unpickle the remote exception.", exc_info=True)
+        self.on_fatal(False)
+        return error
+
+    def _replace(self, lost: list[int], replies: dict[int, Message], doing: str) -> None:
+        """Replace each lost worker, then replay its last command into ``replies`` or mark it interrupted."""
+        self._recovering = True
+        try:
+            for worker_id in lost:
+                kind, meta, arrays, blobs = self._last_sent[worker_id]
+                if kind not in _INTERRUPTIBLE and kind not in self.replayable:
+                    raise self._lost(worker_id, f"{doing} ({kind.name} cannot be replayed on a replacement worker)")
+                self._restart(worker_id)
+                if kind in _INTERRUPTIBLE:
+                    self.interrupted.add(worker_id)
+                else:
+                    self.send(worker_id, kind, meta, arrays, blobs)
+                    replies[worker_id] = self.gather([worker_id], doing, self.start_timeout)[worker_id]
+        finally:
+            self._recovering = False
+
+    def _restart(self, worker_id: int) -> None:
+        logger.warning("Starting a replacement for worker %d (%s).", worker_id, self.describe_work(worker_id))
+        self.launcher.kill(worker_id)
+        self._monitor.forget(worker_id)
+        old = self._identities.pop(worker_id, None)
+        self._peers.pop(old or b"", None)
+        self.launcher.start([worker_id], self.address, self.key)
+        self._join([worker_id], self.start_timeout)
+        self._failed.discard(worker_id)
+        self._send_init(worker_id, replacement=True)
+        self.gather([worker_id], f"rebuilding the envs of worker {worker_id}", self.start_timeout)
+        for hook in self.restart_hooks:
+            hook(worker_id)
+
+    # -- shutdown --------------------------------------------------------------------------
+    def close_after_error(self, terminate: bool) -> None:
+        """The default ``on_fatal``: close the pool (ClusterEnv replaces it with its own ``close``)."""
+        self.close(terminate=terminate)
+
+    def close(self, grace: float = 5.0, terminate: bool = False) -> None:
+        """Ask workers to exit (after closing their envs); kill those that do not within ``grace`` seconds."""
+        if self.closed:
+            return
+        self.closed = True
+        # Also on terminate: workers this process cannot kill (external, remote) must hear it.
+        # Without blocking: a frozen worker's full queue must not hang close().
+        self._channel.socket.setsockopt(zmq.SNDTIMEO, 0)
+        self.seq += 1
+        for identity in self._identities.values():
+            try:
+                self._channel.send(Kind.CLOSE, {"seq": self.seq}, to=identity)
+            except zmq.ZMQError:
+                pass  # already gone
+        if not terminate:
+            self._await_closed(grace)
+        self.launcher.stop(0.0 if terminate else grace)
+        self._finalizer()
+
+    def _await_closed(self, grace: float) -> None:
+        """Wait up to ``grace`` seconds for CLOSED from every worker not known to be gone."""
+        pending = set(self._identities)
+        deadline = time.monotonic() + grace
+        while pending and time.monotonic() < deadline:
+            received = self._channel.recv(LIVENESS_POLL_S, routed=True)
+            if received is not None:
+                worker_id = None if received[0] is None else self._peers.get(received[0])
+                if received[1].kind is Kind.CLOSED and worker_id is not None:
+                    pending.discard(worker_id)
+                continue
+            expired = self._monitor.expired()
+            pending = {w for w in pending if w not in expired and self.launcher.exit_code(w) is None}
+
+
+def weak_callback(method: Callable[..., None]) -> Callable[..., None]:
+    """Call the bound ``method`` while its object lives, a no-op after: hooks must not keep their owner alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return call
+
+
+def _shutdown(launcher: Launcher, monitor: HeartbeatMonitor, channel: Channel, context: zmq.Context) -> None:
+    """Last-resort cleanup, also run at interpreter exit for pools never closed."""
+    launcher.stop(0.0)
+    monitor.close()
+    channel.close(linger=_CLOSE_LINGER_MS)
+    context.term()
