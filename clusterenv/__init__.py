@@ -17,7 +17,17 @@ from clusterenv.errors import (
     WorkerStartError,
     WorkerTimeoutError,
 )
-from clusterenv.heads import Categorical, EpsilonGreedy, Greedy, Head
+from clusterenv.heads import (
+    Bernoulli,
+    Categorical,
+    EpsilonGreedy,
+    Gaussian,
+    Greedy,
+    Head,
+    MultiCategorical,
+    TanhGaussian,
+    default_head,
+)
 from clusterenv.make import make_vec
 from clusterenv.rollout import PolicyRunner, RolloutBatch
 from clusterenv.sync import APS, EveryUpdate, FixedInterval, Never, SyncStrategy, Telemetry, WorkerTelemetry
@@ -25,14 +35,17 @@ from clusterenv.sync import APS, EveryUpdate, FixedInterval, Never, SyncStrategy
 __all__ = [
     "APS",
     "AuthenticationError",
+    "Bernoulli",
     "Categorical",
     "ClusterEnv",
     "ClusterEnvError",
     "EpsilonGreedy",
     "EveryUpdate",
     "FixedInterval",
+    "Gaussian",
     "Greedy",
     "Head",
+    "MultiCategorical",
     "Never",
     "PolicyError",
     "PolicyRunner",
@@ -40,11 +53,13 @@ __all__ = [
     "RemoteEnvError",
     "RolloutBatch",
     "SyncStrategy",
+    "TanhGaussian",
     "Telemetry",
     "WorkerLostError",
     "WorkerStartError",
     "WorkerTelemetry",
     "WorkerTimeoutError",
+    "default_head",
     "make_vec",
 ]
 

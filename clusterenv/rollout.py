@@ -212,7 +212,7 @@ class _WorkerPolicy:
                 out["autoreset"][t] = envs._autoreset_envs
             logits = policy.outputs(out["obs"][t])
             out["logits"][t] = logits
-            actions, out["logprobs"][t] = head.act(logits, np.array([rng.random() for rng in self.rngs]))
+            actions, out["logprobs"][t] = head.act(logits, self.rngs)
             out["actions"][t] = actions + self.action_start
             current, out["rewards"][t], out["terminations"][t], out["truncations"][t], _ = envs.step(out["actions"][t])
             info_logs.append(envs.info_log)
