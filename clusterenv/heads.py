@@ -91,6 +91,14 @@ def kl_divergence(log_p: np.ndarray, log_q: np.ndarray) -> np.ndarray:
         return np.where(p > 0, p * (log_p - log_q), 0.0).sum(axis=-1)
 
 
+def _inverse_cdf(log_p: np.ndarray, draws: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Indices ``(B,)`` int64 sampled from log-probability rows ``(B, n)`` with U[0, 1) ``draws`` ``(B,)``, and their log-probs."""
+    cdf = np.cumsum(np.exp(log_p), axis=-1)
+    # Comparing against the row total keeps rounding in the cumulative sum from overshooting.
+    index = np.minimum((draws[:, None] * cdf[:, -1:] >= cdf).sum(axis=-1), log_p.shape[-1] - 1).astype(np.int64)
+    return index, np.take_along_axis(log_p, index[:, None], axis=-1)[:, 0]
+
+
 def _as_outputs(outputs: np.ndarray) -> np.ndarray:
     outputs = np.asarray(outputs, dtype=np.float64)
     if outputs.ndim != 2:
@@ -200,11 +208,8 @@ class _DiscreteHead(Head):
         ``rngs`` may also be an array of those draws, one U[0, 1) per row (the older calling form).
         """
         log_p = self.log_probs(outputs)
-        cdf = np.cumsum(np.exp(log_p), axis=-1)
-        # Comparing against the row total keeps rounding in the cumulative sum from overshooting.
-        actions = (_uniforms(rngs, len(log_p))[:, None] * cdf[:, -1:] >= cdf).sum(axis=-1)
-        actions = np.minimum(actions, log_p.shape[-1] - 1).astype(np.int64)
-        return actions, np.take_along_axis(log_p, actions[:, None], axis=-1)[:, 0].astype(np.float32)
+        actions, chosen = _inverse_cdf(log_p, _uniforms(rngs, len(log_p)))
+        return actions, chosen.astype(np.float32)
 
     def log_prob(self, outputs: np.ndarray, actions: np.ndarray) -> np.ndarray:
         """Entries of :meth:`log_probs` at ``actions`` ``(B,)``."""
@@ -345,14 +350,9 @@ class MultiCategorical(Head):
         log_ps = self._components(outputs)
         _check_rngs(rngs, len(log_ps[0]))
         draws = np.stack([rng.random(len(log_ps)) for rng in rngs]) if len(rngs) else np.empty((0, len(log_ps)))
-        picks = []
-        for j, log_p in enumerate(log_ps):
-            cdf = np.cumsum(np.exp(log_p), axis=-1)
-            index = (draws[:, j, None] * cdf[:, -1:] >= cdf).sum(axis=-1)
-            picks.append(np.minimum(index, log_p.shape[-1] - 1))
-        actions = np.stack(picks, axis=-1).astype(np.int64)
-        log_prob = self.log_prob(outputs, actions.reshape(len(actions), *np.shape(self.nvec)))
-        return actions.reshape(len(actions), *np.shape(self.nvec)), log_prob.astype(np.float32)
+        picks = [_inverse_cdf(log_p, draws[:, j]) for j, log_p in enumerate(log_ps)]
+        actions = np.stack([index for index, _ in picks], axis=-1).reshape(len(draws), *np.shape(self.nvec))
+        return actions, sum((chosen for _, chosen in picks), start=np.zeros(len(draws))).astype(np.float32)
 
     def log_prob(self, outputs: np.ndarray, actions: np.ndarray) -> np.ndarray:
         """Sum over sub-actions of each categorical's log-probability."""
