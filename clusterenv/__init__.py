@@ -13,6 +13,7 @@ import importlib as _importlib
 import typing as _typing
 
 if _typing.TYPE_CHECKING:
+    from clusterenv.batch import RolloutBatch
     from clusterenv.env import ClusterEnv
     from clusterenv.errors import (
         AuthenticationError,
@@ -24,9 +25,19 @@ if _typing.TYPE_CHECKING:
         WorkerStartError,
         WorkerTimeoutError,
     )
-    from clusterenv.heads import Categorical, EpsilonGreedy, Greedy, Head
+    from clusterenv.heads import (
+        Bernoulli,
+        Categorical,
+        EpsilonGreedy,
+        Gaussian,
+        Greedy,
+        Head,
+        MultiCategorical,
+        TanhGaussian,
+        default_head,
+    )
     from clusterenv.make import make_vec
-    from clusterenv.rollout import PolicyRunner, RolloutBatch
+    from clusterenv.rollout import PolicyRunner
     from clusterenv.sync import APS, EveryUpdate, FixedInterval, Never, SyncStrategy, Telemetry, WorkerTelemetry
 
 _MODULE_OF = {
@@ -44,9 +55,23 @@ _MODULE_OF = {
         ],
         "errors",
     ),
-    **dict.fromkeys(["Categorical", "EpsilonGreedy", "Greedy", "Head"], "heads"),
+    **dict.fromkeys(
+        [
+            "Bernoulli",
+            "Categorical",
+            "EpsilonGreedy",
+            "Gaussian",
+            "Greedy",
+            "Head",
+            "MultiCategorical",
+            "TanhGaussian",
+            "default_head",
+        ],
+        "heads",
+    ),
     "make_vec": "make",
-    **dict.fromkeys(["PolicyRunner", "RolloutBatch"], "rollout"),
+    "PolicyRunner": "rollout",
+    "RolloutBatch": "batch",
     **dict.fromkeys(
         ["APS", "EveryUpdate", "FixedInterval", "Never", "SyncStrategy", "Telemetry", "WorkerTelemetry"], "sync"
     ),
@@ -55,14 +80,17 @@ _MODULE_OF = {
 __all__ = [
     "APS",
     "AuthenticationError",
+    "Bernoulli",
     "Categorical",
     "ClusterEnv",
     "ClusterEnvError",
     "EpsilonGreedy",
     "EveryUpdate",
     "FixedInterval",
+    "Gaussian",
     "Greedy",
     "Head",
+    "MultiCategorical",
     "Never",
     "PolicyError",
     "PolicyRunner",
@@ -70,11 +98,13 @@ __all__ = [
     "RemoteEnvError",
     "RolloutBatch",
     "SyncStrategy",
+    "TanhGaussian",
     "Telemetry",
     "WorkerLostError",
     "WorkerStartError",
     "WorkerTelemetry",
     "WorkerTimeoutError",
+    "default_head",
     "make_vec",
 ]
 

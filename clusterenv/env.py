@@ -108,6 +108,7 @@ class ClusterEnv(VectorEnv):
         """
         super().__init__()
         self._state = AsyncState.DEFAULT
+        self._holder: str | None = None  # an extension holding the pending call (a prefetching runner)
         self.closed = True  # until the workers are up, close() has nothing to do
         check_env_fns(env_fns)
         self.num_envs = len(env_fns)
@@ -180,18 +181,18 @@ class ClusterEnv(VectorEnv):
         return self._needs_reset
 
     @contextlib.contextmanager
-    def pending_call(self) -> Iterator[WorkerPool]:
+    def pending_call(self, holder: str | None = None) -> Iterator[WorkerPool]:
         """Hold the env's one pending call while an extension talks to the workers through the pool.
 
-        Inside, ``reset``/``step``/``call`` raise ``AlreadyPendingCallError``; the pool's
-        sequence number is new, so replies to earlier calls are ignored.
+        Inside, ``reset``/``step``/``call`` raise ``AlreadyPendingCallError`` (naming ``holder``,
+        if given); the pool's sequence number is new, so replies to earlier calls are ignored.
         """
         self._begin(AsyncState.WAITING_CALL)
-        self._state = AsyncState.WAITING_CALL
+        self._state, self._holder = AsyncState.WAITING_CALL, holder
         try:
             yield self._pool
         finally:
-            self._state = AsyncState.DEFAULT
+            self._state, self._holder = AsyncState.DEFAULT, None
 
     # -- construction ----------------------------------------------------------------------
     def _init_workers(self, pickled_fns: list[bytes], observation_mode: str, timeout: float) -> None:
@@ -263,6 +264,10 @@ class ClusterEnv(VectorEnv):
     def _begin(self, state: AsyncState) -> None:
         self._assert_is_running()
         if self._state != AsyncState.DEFAULT:
+            if self._holder is not None:
+                raise AlreadyPendingCallError(
+                    f"Calling `{state.value}` while the envs are held by {self._holder}.", "call"
+                )
             raise AlreadyPendingCallError(
                 f"Calling `{state.value}` while waiting for a pending call to `{self._state.value}` to complete.",
                 str(self._state.value),

@@ -30,6 +30,7 @@ from gymnasium.vector.utils import create_empty_array
 from torch import nn
 
 from clusterenv.errors import PolicyError
+from clusterenv.heads import Head
 
 __all__ = [
     "LocalPolicy",
@@ -150,15 +151,12 @@ class LocalPolicy:
         return out.detach().to(torch.float32).numpy()
 
 
-def validate_policy(module: nn.Module, observation_space: spaces.Space, action_space: spaces.Space) -> None:
-    """Raise :class:`PolicyError` unless ``module`` maps batched observations to ``(B, action_space.n)``.
+def validate_policy(module: nn.Module, observation_space: spaces.Space, action_space: spaces.Space, head: Head) -> None:
+    """Raise :class:`PolicyError` unless ``module`` maps batched observations to the outputs ``head`` needs.
 
     Run it on a CPU copy (:func:`build_module` plus :func:`load_weights`): it calls the module.
     """
-    if not isinstance(action_space, spaces.Discrete):
-        raise PolicyError(
-            f"Local policies need a Discrete action space (one output per action), but the envs have {action_space}."
-        )
+    width = head.output_width(action_space)  # raises if the head cannot act in this space
     if not isinstance(observation_space, (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)):
         raise PolicyError(
             f"Local policies take one observation array, but the envs have observation space {observation_space}."
@@ -172,10 +170,15 @@ def validate_policy(module: nn.Module, observation_space: spaces.Space, action_s
             f"The policy raised {type(exc).__name__} on a batch of observations of shape {obs.shape} and dtype "
             f"{obs.dtype}: {exc}"
         ) from exc
-    expected = (_PROBE_BATCH, int(action_space.n))
-    if not isinstance(out, torch.Tensor) or tuple(out.shape) != expected or not out.is_floating_point():
+    if (
+        not isinstance(out, torch.Tensor)
+        or out.ndim != 2
+        or out.shape[0] != _PROBE_BATCH
+        or not out.is_floating_point()
+    ):
         got = f"shape {tuple(out.shape)} and dtype {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
         raise PolicyError(
-            f"The policy must map a batch of {_PROBE_BATCH} observations to floating outputs of shape {expected} "
-            f"(one logit or Q-value per action of {action_space}), got {got}."
+            f"The policy must map a batch of {_PROBE_BATCH} observations to floating outputs of shape "
+            f"({_PROBE_BATCH}, {width}) for the {type(head).__name__} head on {action_space}, got {got}."
         )
+    head.check_width(action_space, int(out.shape[1]))

@@ -128,6 +128,8 @@ class WorkerPool:
         self._last_sent: dict[int, tuple[Kind, dict[str, Any] | None, Sequence[np.ndarray], Sequence[bytes]]] = {}
         self._failed: set[int] = set()
         self._early_hellos: list[tuple[bytes | None, Message]] = []
+        # Replies of the current call that arrived while a gather waited for others (streaming calls).
+        self._stash: list[tuple[int, Message]] = []
         self._recovering = False
         self._finalizer = weakref.finalize(self, _shutdown, self.launcher, self._monitor, self._channel, self._context)
 
@@ -170,6 +172,9 @@ class WorkerPool:
             if received is None:
                 continue
             sender, msg = received
+            if sender in self._peers and msg.meta.get("seq") == self.seq and msg.kind is not Kind.HELLO:
+                self._stash.append((self._peers[sender], msg))  # a streaming call goes on while one worker is replaced
+                continue
             if msg.kind is not Kind.HELLO or sender is None or sender in self._peers:
                 logger.warning("Ignored %s from peer %r while waiting for workers to join.", msg.kind.name, sender)
                 continue
@@ -224,6 +229,7 @@ class WorkerPool:
     def new_call(self) -> int:
         """Start a new call: replies to earlier ones are ignored from now on."""
         self.seq += 1
+        self._stash.clear()
         return self.seq
 
     def send(
@@ -295,6 +301,8 @@ class WorkerPool:
             if worker_id in pending:
                 pending.discard(worker_id)
                 replies[worker_id] = msg
+            else:
+                self._stash.append((worker_id, msg))  # a streaming call's reply, for receive()
         lost = self._failed.intersection(worker_ids)
         if lost:
             self._replace(sorted(lost), replies, doing)
@@ -308,6 +316,42 @@ class WorkerPool:
         for w in worker_ids:
             self.send(w, kind, meta)
         return self.gather(worker_ids, doing, timeout)
+
+    def receive(self, doing: str, timeout: float | None) -> tuple[int, Message] | None:
+        """The next reply of the current call from any worker, for calls that stream (prefetched rollouts).
+
+        Returns ``None`` after ``timeout`` seconds without one (``0``: only what has arrived).
+        Errors raise as in :meth:`gather`; a lost worker raises, or under ``"restart"`` is
+        replaced at once and its ``restart_hooks`` re-issue its work.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._stash:
+                return self._stash.pop(0)
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            wait = LIVENESS_POLL_S if remaining is None else min(LIVENESS_POLL_S, remaining)
+            received = self._channel.recv(wait, routed=True)
+            if received is None:
+                for w in sorted(self._check_alive(set(self._identities), doing)):
+                    self._failed.discard(w)
+                    self._recovering = True
+                    try:
+                        self._restart(w)
+                    finally:
+                        self._recovering = False
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
+                continue
+            sender, msg = received
+            worker_id = None if sender is None else self._peers.get(sender)
+            if worker_id is None and msg.kind is Kind.HELLO and len(self._early_hellos) < _MAX_EARLY_HELLOS:
+                self._early_hellos.append(received)
+                continue
+            if worker_id is None or msg.meta.get("seq") != self.seq:
+                continue
+            if msg.kind is Kind.ERROR:
+                raise self._remote_error(worker_id, msg, doing)
+            return worker_id, msg
 
     # -- failures --------------------------------------------------------------------------
     def _lost(self, worker_id: int, doing: str) -> WorkerLostError:

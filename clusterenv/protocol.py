@@ -72,6 +72,7 @@ class Kind(IntEnum):
     SET_WEIGHTS = 8
     ROLLOUT = 9
     SHARE_OBS = 12
+    PROBE = 13
 
     HELLO = 101
     READY = 102
@@ -87,7 +88,17 @@ class Kind(IntEnum):
 _KINDS = {int(kind): kind for kind in Kind}
 
 #: The transition arrays of a ROLLOUT_RESULT, in frame order (``next_obs`` follows them).
-ROLLOUT_FIELDS = ("obs", "actions", "logprobs", "logits", "rewards", "terminations", "truncations", "autoreset")
+ROLLOUT_FIELDS = (
+    "obs",
+    "actions",
+    "logprobs",
+    "logits",
+    "rewards",
+    "terminations",
+    "truncations",
+    "autoreset",
+    "policy_versions",
+)
 
 
 @dataclass

@@ -1,31 +1,51 @@
-"""Rollouts with policies on the workers: the learner-side :class:`PolicyRunner` and its :class:`RolloutBatch`.
+"""Rollouts with policies on the workers: the learner-side :class:`PolicyRunner`.
 
-The worker-side handlers and the message flow of one rollout are in
-:mod:`clusterenv.worker_policy`. This module does not import torch at module level.
+Lockstep (``prefetch=0``): each :meth:`PolicyRunner.rollout` asks every worker for ``T``
+steps and waits; the workers idle while the learner trains.
+
+Prefetch (``prefetch=k``): each worker has up to ``k`` rollouts queued ahead of the one
+the learner is consuming, so it keeps collecting while the learner trains, with a policy
+copy that may lag. The flow, per worker::
+
+    learner                                       worker
+    ROLLOUT(id, T, head, learner_version)  →      (queued; executed in id order)
+                                           ←      ROLLOUT_RESULT(id, transitions, per-step versions)
+    PROBE(id, version, outputs on id's     →      kept: the KL at the start of the next
+          probe states, latest version)           rollout compares it with the current copy
+                                                  on the same states
+                                           ←      WEIGHTS_REQUEST (if the strategy says pull;
+                                                  the worker keeps acting meanwhile)
+    SET_WEIGHTS(version, weights)          →      loaded between two steps
+
+PROBE goes out whenever a result arrives and again on every :meth:`PolicyRunner.publish`;
+weight pulls are answered whenever the learner is inside ``rollout``, ``fragments`` or
+``publish``. Each step records the version that acted, so the batch carries its lag.
+The worker side is :mod:`clusterenv.worker_policy`. This module imports torch lazily.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import pickle
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+import time
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
+from clusterenv.batch import RolloutBatch
 from clusterenv.batching import InfoRecord, replay_infos
 from clusterenv.env import WORKER_RESTARTED_KEY, ClusterEnv
-from clusterenv.errors import PolicyError, ProtocolError
-from clusterenv.heads import Categorical, Head
+from clusterenv.errors import PolicyError, ProtocolError, WorkerTimeoutError
+from clusterenv.heads import Head, default_head
 from clusterenv.pool import WorkerPool, weak_callback
 from clusterenv.protocol import ROLLOUT_FIELDS, Kind, Message
 from clusterenv.sync import EveryUpdate, SyncStrategy, Telemetry, WorkerTelemetry
 
 if TYPE_CHECKING:
-    import torch
     from torch import nn
 
     from clusterenv.policy import LocalPolicy
@@ -33,103 +53,23 @@ if TYPE_CHECKING:
 __all__ = ["PolicyRunner", "RolloutBatch"]
 
 
-@dataclass
-class RolloutBatch:
-    """``T`` steps of every env, as numpy arrays (``as_tensors`` converts), in step-mode order.
-
-    ``obs[t]`` is what the acting policy saw at step ``t``; ``actions[t]``, ``rewards[t]``,
-    ``terminations[t]``, ``truncations[t]`` and ``infos[t]`` are exactly what
-    ``envs.step(actions[t])`` would have returned from there, and ``obs[t + 1]`` (or
-    ``next_obs`` after the last step) is the observation it returned. Env ``i`` is column
-    ``i`` everywhere, as in step mode.
-
-    NEXT_STEP autoreset (the default): the step after a done is a *reset step*, marked in
-    ``autoreset[t]``: ``obs[t]`` is the last observation of the ended episode, the env
-    ignored ``actions[t]`` and reset, ``rewards[t]`` is 0, both done flags are False and
-    ``obs[t + 1]`` is the first observation of the new episode. Drop reset steps from the
-    loss; a truncated step ``t`` bootstraps from ``obs[t + 1]``, its true last observation.
-    In SAME_STEP mode ``autoreset`` is all False and last observations are in the infos.
-
-    Attributes:
-        obs: ``(T, N, *obs_shape)``, the observation dtype.
-        actions: ``(T, N)`` int64.
-        logprobs: ``(T, N)`` float32, log-probability of each action under the acting copy.
-        logits: ``(T, N, A)`` float32, the acting copy's raw outputs (logits or Q-values).
-        rewards: ``(T, N)`` float64.
-        terminations: ``(T, N)`` bool.
-        truncations: ``(T, N)`` bool.
-        autoreset: ``(T, N)`` bool, True on NEXT_STEP reset steps.
-        policy_versions: ``(T, N)`` int64, the learner version of the weights that acted.
-        next_obs: ``(N, *obs_shape)``, the observation after the last step.
-        infos: ``T`` step-mode info dicts (``episode`` statistics if the envs record them).
-        learner_version: the latest published version when the rollout was asked for.
-    """
-
-    obs: np.ndarray
-    actions: np.ndarray
-    logprobs: np.ndarray
-    logits: np.ndarray
-    rewards: np.ndarray
-    terminations: np.ndarray
-    truncations: np.ndarray
-    autoreset: np.ndarray
-    policy_versions: np.ndarray
-    next_obs: np.ndarray
-    infos: list[dict[str, Any]] = field(repr=False)
-    learner_version: int = 0
-
-    @property
-    def num_steps(self) -> int:
-        """``T``."""
-        return int(self.actions.shape[0])
-
-    @property
-    def num_envs(self) -> int:
-        """``N``."""
-        return int(self.actions.shape[1])
-
-    def as_tensors(self, device: str | torch.device | None = None) -> dict[str, torch.Tensor]:
-        """Every array field as a torch tensor on ``device`` (same dtypes; bools stay bool)."""
-        import torch
-
-        return {
-            f.name: torch.as_tensor(getattr(self, f.name), device=device)
-            for f in fields(self)
-            if isinstance(getattr(self, f.name), np.ndarray)
-        }
-
-    def episodes(self) -> list[tuple[int, int, float, int]]:
-        """``(step, env, return, length)`` of each episode that ended, from ``RecordEpisodeStatistics`` infos.
-
-        Under SAME_STEP autoreset the statistics are read from ``infos[t]["final_info"]``.
-        """
-        ended = []
-        for t, step_info in enumerate(self.infos):
-            for info in (step_info, step_info.get("final_info", {})):
-                if "_episode" not in info:
-                    continue
-                stats = info["episode"]
-                for env in np.flatnonzero(info["_episode"]):
-                    ended.append((t, int(env), float(stats["r"][env]), int(stats["l"][env])))
-        return ended
-
-
-# -- learner side --------------------------------------------------------------------------
 class PolicyRunner:
     """Collect rollouts with a local copy of ``policy`` in every worker of a :class:`ClusterEnv`.
 
-    The runner ships the policy once, then each :meth:`rollout` asks every worker for
-    ``num_steps`` steps of all its envs, and each worker first lets ``sync`` decide, from
-    ``KL(π_learner ‖ π_local)`` on its own recent observations (see :mod:`clusterenv.sync`)
-    or from the version lag, whether to pull the latest published weights. Plain
-    ``envs.step(actions)`` keeps working on the same envs, between rollouts too: a rollout
-    continues from wherever the envs are. One runner per env at a time: a new runner's
-    policy replaces the old one's in the workers.
+    The runner ships the policy once, then each :meth:`rollout` returns ``num_steps`` steps
+    of all envs, acted by the workers' copies. Before each rollout a worker lets ``sync``
+    decide, from ``KL(π_learner ‖ π_local)`` on its own recent observations (see
+    :mod:`clusterenv.sync`) or from the version lag, whether to pull the latest published
+    weights. With ``prefetch=0`` plain ``envs.step(actions)`` keeps working between
+    rollouts: a rollout continues from wherever the envs are. With ``prefetch >= 1`` the
+    runner holds the envs from its first rollout until :meth:`stop`. One runner per env at
+    a time: a new runner's policy replaces the old one's in the workers.
 
     A worker replaced after a failure (``on_worker_failure="restart"``) gets the policy back
-    at the current version; a rollout it was part of is replayed there on freshly reset
-    envs, flagged ``infos[0]["worker_restarted"]`` (the cut episode simply ends unflagged
-    at the previous batch's ``next_obs``, from which the learner bootstraps).
+    at the current version, and its rollouts in flight are run again there on freshly reset
+    envs, flagged ``infos[0]["worker_restarted"]`` (the cut episode ends unflagged at the
+    previous batch's ``next_obs``, from which the learner bootstraps). With
+    ``on_worker_failure="raise"`` a lost worker raises ``WorkerLostError`` and closes the envs.
 
     Example:
         >>> import clusterenv, torch
@@ -155,21 +95,25 @@ class PolicyRunner:
         probe_steps: int = 16,
         measure_kl: bool = True,
         timeout: float | None = None,
+        prefetch: int = 0,
     ) -> None:
         """Ship the policy (version 0) to every worker.
 
         Args:
             envs: the environments; their workers get the policy.
             policy: a ``torch.nn.Module`` mapping observations ``(B, *obs_shape)`` to outputs
-                ``(B, A)`` (logits or Q-values), or a zero-argument callable returning one.
+                ``(B, width)`` (logits, Q-values, or the head's parameters), or a zero-argument
+                callable returning one.
             sync: when workers pull new weights; default :class:`~clusterenv.sync.EveryUpdate`.
             head: how outputs become the acting distribution; default
-                :class:`~clusterenv.heads.Categorical` (softmax). Use ``EpsilonGreedy`` for Q-values.
+                :func:`~clusterenv.heads.default_head` of the action space (Discrete: softmax).
+                Use ``EpsilonGreedy`` for Q-values.
             seed: seeds each env's action-sampling generator as ``default_rng([seed, env_index])``,
                 and ``envs.reset(seed=seed)`` if the envs were never reset.
             probe_steps: how many of a worker's latest steps (times its envs) the KL is measured on.
             measure_kl: also measure the KL for strategies that do not need it (for telemetry).
             timeout: seconds a rollout may take per call; default ``envs.timeout``.
+            prefetch: rollouts each worker collects ahead of the learner (0: lockstep).
         """
         from torch import nn
 
@@ -192,8 +136,10 @@ class PolicyRunner:
             raise PolicyError(f"`sync` must be a SyncStrategy such as APS(threshold=0.01), got {sync!r}.")
         if isinstance(probe_steps, bool) or not isinstance(probe_steps, int) or probe_steps < 1:
             raise PolicyError(f"`probe_steps` must be a positive integer, got {probe_steps!r}.")
-        self.envs, self.sync, self.seed = envs, sync, seed
-        self.head: Head = Categorical() if head is None else head
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise PolicyError(f"`prefetch` must be a non-negative integer (0: lockstep), got {prefetch!r}.")
+        self.envs, self.sync, self.seed, self.prefetch = envs, sync, seed, prefetch
+        self.head: Head = default_head(envs.single_action_space) if head is None else head
         self.probe_steps = probe_steps
         self.send_probes = measure_kl or sync.needs_kl
         self.timeout = timeout
@@ -201,10 +147,11 @@ class PolicyRunner:
         self._architecture = pack_architecture(policy)
         self._names, self._weights = snapshot_weights(policy)
         self._learner: LocalPolicy = LocalPolicy(self._architecture, self._names, self._weights, version=0)
-        validate_policy(self._learner.module, envs.single_observation_space, envs.single_action_space)
+        validate_policy(self._learner.module, envs.single_observation_space, envs.single_action_space, self.head)
         self._version = 0
         self._probe_obs: list[np.ndarray | None] = [None] * envs.num_workers
         self._telemetry = Telemetry([WorkerTelemetry(w) for w in range(envs.num_workers)])
+        self._stream = _Stream(envs.num_workers) if prefetch else None
         self._ship(cloudpickle.dumps(sync))
 
     # -- shipping --------------------------------------------------------------------------
@@ -221,9 +168,8 @@ class PolicyRunner:
     def _send_policy(self, pool: WorkerPool, worker_id: int) -> None:
         meta = {"names": self._names, "version": self._version, "seed": self.seed}
         pool.send(worker_id, Kind.SET_POLICY, meta, self._weights, [self._architecture, self._strategy])
-        self._telemetry.workers[worker_id].initial_bytes += len(self._architecture) + sum(
-            a.nbytes for a in self._weights
-        )
+        size = len(self._architecture) + sum(a.nbytes for a in self._weights)
+        self._telemetry.workers[worker_id].initial_bytes += size
 
     def _reinstall(self, worker_id: int) -> None:
         pool = self.envs.pool
@@ -232,6 +178,9 @@ class PolicyRunner:
             [worker_id], f"installing the local policy on a replacement for worker {worker_id}", self._timeout()
         )
         self._probe_obs[worker_id] = None
+        if self._stream is not None:  # its queued rollouts were lost with it: ask the replacement for them
+            for meta in self._stream.in_flight(worker_id):
+                pool.send(worker_id, Kind.ROLLOUT, meta)
 
     def _timeout(self) -> float | None:
         return self.envs.timeout if self.timeout is None else self.timeout
@@ -239,8 +188,9 @@ class PolicyRunner:
     def publish(self, policy: nn.Module | None = None) -> int:
         """Make the current weights of ``policy`` (default: the one given) the learner's next version.
 
-        Sends nothing: it snapshots the weights (so later training does not change this
-        version) for workers to pull when their strategy says so.
+        It snapshots the weights (so later training does not change this version) for
+        workers to pull when their strategy says so. In prefetch mode it also answers the
+        pulls waiting for it and sends each worker the new version's outputs on its probe states.
 
         Returns:
             The new learner version.
@@ -262,6 +212,10 @@ class PolicyRunner:
         self._version += 1
         self._weights = weights
         self._learner.load(weights, self._version)
+        if self._stream is not None and self._stream.started:
+            self._pump(0.0)
+            for w in range(self.envs.num_workers):
+                self._send_probe(w)
         return self._version
 
     @property
@@ -278,22 +232,109 @@ class PolicyRunner:
 
     # -- rollouts --------------------------------------------------------------------------
     def rollout(self, num_steps: int, *, head: Head | None = None) -> RolloutBatch:
-        """Run ``num_steps`` steps of every env with the workers' local policies.
+        """``num_steps`` steps of every env, acted by the workers' local policies.
+
+        With ``prefetch=k`` this returns the oldest complete batch, waiting only if it is not
+        there yet, and asks each worker for one more; successive batches continue each
+        other exactly. ``num_steps`` cannot change between calls, and ``head`` applies to the
+        rollout requested now, which is returned ``k`` calls later.
 
         Args:
             num_steps: ``T``, steps per env.
-            head: the acting head for this rollout (e.g. ``EpsilonGreedy`` with the current epsilon);
-                default ``self.head``.
+            head: the acting head (e.g. ``EpsilonGreedy`` with the current epsilon); default ``self.head``.
 
         Returns:
             The transitions, see :class:`RolloutBatch`.
         """
+        self._check_steps(num_steps)
+        head = self.head if head is None else head
+        if self._stream is None:
+            return self._lockstep(num_steps, head)
+        stream = self._stream
+        if stream.mode == "fragments":
+            raise PolicyError("This runner is streaming fragments(); call stop() before rollout().")
+        stream.mode = "batches"
+        self._refill(range(self.envs.num_workers), num_steps, head)
+        wanted = stream.consumed.copy()
+        deadline = self._deadline()
+        while any(wanted[w] not in stream.results[w] for w in range(self.envs.num_workers)):
+            self._pump(self._remaining(deadline, "waiting for a prefetched rollout"))
+        replies = {w: stream.results[w].pop(wanted[w]) for w in range(self.envs.num_workers)}
+        for w in replies:
+            stream.consumed[w] += 1
+        return self._assemble(replies, num_steps)
+
+    def fragments(self, num_steps: int, *, head: Head | None = None) -> Iterator[RolloutBatch]:
+        """Yield each worker's ``num_steps`` steps as soon as they arrive, for off-policy learners.
+
+        A fragment is a :class:`RolloutBatch` of one worker's envs (``env_ids``), so that a
+        replay buffer never waits for the slowest worker. Each worker keeps ``prefetch``
+        rollouts ahead (at least one). ``head`` applies to the rollouts requested from then on.
+        Successive fragments of one worker continue each other exactly.
+        """
+        self._check_steps(num_steps)
+        stream = self._stream
+        if stream is None:
+            raise PolicyError("fragments() streams rollouts ahead of the learner: make the runner with prefetch >= 1.")
+        if stream.mode == "batches":
+            raise PolicyError("This runner is serving rollout(); call stop() before fragments().")
+        stream.mode = "fragments"
+        self._refill(range(self.envs.num_workers), num_steps, self.head if head is None else head)
+        while True:
+            deadline = self._deadline()
+            ready = [w for w in range(self.envs.num_workers) if stream.consumed[w] in stream.results[w]]
+            while not ready:
+                arrived = self._pump(self._remaining(deadline, "waiting for a rollout fragment"))
+                ready = [w for w in arrived if stream.consumed[w] in stream.results[w]]
+            w = ready[0]
+            msg = stream.results[w].pop(stream.consumed[w])
+            stream.consumed[w] += 1
+            self._refill([w], num_steps, self.head if head is None else head)
+            yield self._assemble({w: msg}, num_steps)
+
+    def stop(self) -> list[RolloutBatch]:
+        """End prefetching: wait for the rollouts collected ahead and return them, oldest first.
+
+        Nothing is lost: the returned batches (fragments, after :meth:`fragments`) hold every
+        step the workers took ahead. Afterwards the envs accept ``step``/``reset`` again, and
+        the next ``rollout`` starts prefetching anew.
+        """
+        stream = self._stream
+        if stream is None or not stream.started:
+            return []
+        deadline = self._deadline()
+        while any(stream.in_flight(w) for w in range(self.envs.num_workers)):
+            self._pump(self._remaining(deadline, "finishing the prefetched rollouts"))
+        leftovers: list[RolloutBatch] = []
+        steps = stream.num_steps
+        if stream.mode == "batches":
+            while all(stream.consumed[w] in stream.results[w] for w in range(self.envs.num_workers)):
+                replies = {w: stream.results[w].pop(stream.consumed[w]) for w in range(self.envs.num_workers)}
+                stream.consumed = [c + 1 for c in stream.consumed]
+                leftovers.append(self._assemble(replies, steps))
+        else:
+            for w in range(self.envs.num_workers):
+                while stream.consumed[w] in stream.results[w]:
+                    leftovers.append(self._assemble({w: stream.results[w].pop(stream.consumed[w])}, steps))
+                    stream.consumed[w] += 1
+        stream.hold.close()
+        self._stream = _Stream(self.envs.num_workers, next_id=max(stream.next_id))
+        return leftovers
+
+    def _check_steps(self, num_steps: int) -> None:
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
             raise ValueError(f"`num_steps` must be a positive integer, got {num_steps!r}.")
+        stream = self._stream
+        if stream is not None and stream.started and num_steps != stream.num_steps:
+            raise PolicyError(
+                f"A prefetching runner collects rollouts of a fixed length: it was started with num_steps="
+                f"{stream.num_steps}, got {num_steps}. Call stop() first to change it."
+            )
+
+    def _lockstep(self, num_steps: int, head: Head) -> RolloutBatch:
         envs = self.envs
         if envs.needs_reset:
             envs.reset(seed=self.seed)
-        head = self.head if head is None else head
         outputs = self._probe_outputs() if self.send_probes else [None] * envs.num_workers
         meta = {
             "num_steps": num_steps,
@@ -301,7 +342,6 @@ class PolicyRunner:
             "head": head.to_meta(),
             "probe_steps": self.probe_steps,
         }
-
         with envs.pending_call() as pool:
             for w, probe in enumerate(outputs):
                 pool.send(w, Kind.ROLLOUT, meta, [] if probe is None else [probe])
@@ -312,6 +352,91 @@ class PolicyRunner:
             )
         return self._assemble(replies, num_steps)
 
+    # -- prefetch --------------------------------------------------------------------------
+    def _refill(self, worker_ids: Any, num_steps: int, head: Head) -> None:
+        """Keep ``prefetch`` rollouts queued ahead of the one being consumed, per worker."""
+        stream = self._stream
+        assert stream is not None
+        if not stream.started:
+            if self.envs.needs_reset:
+                self.envs.reset(seed=self.seed)
+            stream.hold = contextlib.ExitStack()
+            stream.hold.enter_context(self.envs.pending_call("a prefetching PolicyRunner; call runner.stop() first"))
+            stream.num_steps, stream.started = num_steps, True
+        pool = self.envs.pool
+        for w in worker_ids:
+            # rollout() refills before taking the oldest batch, fragments() after taking one: either
+            # way at most `prefetch` results per worker wait while the learner works.
+            while stream.next_id[w] - stream.consumed[w] < self.prefetch + (stream.mode == "batches"):
+                meta = {
+                    "num_steps": num_steps,
+                    "learner_version": self._version,
+                    "head": head.to_meta(),
+                    "probe_steps": self.probe_steps,
+                    "prefetch": True,
+                    "rollout_id": stream.next_id[w],
+                    "keep_probes": self.prefetch + 2,
+                }
+                pool.send(w, Kind.ROLLOUT, meta)
+                stream.sent[w][stream.next_id[w]] = meta
+                stream.next_id[w] += 1
+
+    def _pump(self, timeout: float) -> list[int]:
+        """Handle what the workers sent within ``timeout`` seconds: results, pulls. Returns who sent a result."""
+        stream = self._stream
+        assert stream is not None
+        pool, arrived = self.envs.pool, []
+        while (received := pool.receive("running the local policies", timeout)) is not None:
+            w, msg = received
+            timeout = 0.0  # after the first message, take only what has already arrived
+            if msg.kind is Kind.WEIGHTS_REQUEST:
+                pool.send(w, Kind.SET_WEIGHTS, {"version": self._version, "prefetch": True}, self._weights)
+                record = self._telemetry.workers[w]
+                record.pulls += 1
+                record.weight_bytes += sum(a.nbytes for a in self._weights)
+            elif msg.kind is Kind.ROLLOUT_RESULT:
+                rollout_id = int(msg.meta["rollout_id"])
+                if stream.sent[w].pop(rollout_id, None) is None:
+                    continue  # already answered before its worker was replaced
+                stream.results[w][rollout_id] = msg
+                self._keep_probe_states(w, msg)
+                self._send_probe(w, rollout_id)
+                arrived.append(w)
+            else:
+                raise ProtocolError(f"Worker {w} sent {msg.kind.name} during a prefetched rollout.")
+        return arrived
+
+    def _send_probe(self, worker_id: int, rollout_id: int | None = None) -> None:
+        """Send the latest version's outputs on the worker's latest probe states (prefetch mode)."""
+        stream = self._stream
+        assert stream is not None
+        obs = self._probe_obs[worker_id]
+        if obs is None or not self.send_probes:
+            return
+        rollout_id = stream.probe_id[worker_id] if rollout_id is None else rollout_id
+        stream.probe_id[worker_id] = rollout_id
+        outputs = self._learner.outputs(obs)
+        meta = {"rollout_id": rollout_id, "version": self._version}
+        self.envs.pool.send(worker_id, Kind.PROBE, meta, [outputs])
+        self._telemetry.workers[worker_id].probe_bytes += outputs.nbytes
+
+    def _deadline(self) -> float | None:
+        timeout = self._timeout()
+        return None if timeout is None else time.monotonic() + timeout
+
+    def _remaining(self, deadline: float | None, doing: str) -> float:
+        if deadline is None:
+            return 1.0
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            self.envs.close(terminate=True)
+            raise WorkerTimeoutError(
+                f"No rollout arrived within {self._timeout()} s while {doing}; the ClusterEnv was closed. "
+                "Raise `timeout` if rollouts take this long."
+            )
+        return remaining
+
+    # -- learner-side probes and pulls ------------------------------------------------------
     def _probe_outputs(self) -> list[np.ndarray | None]:
         """The latest version's outputs on each worker's probe states, in one forward pass."""
         present = [obs for obs in self._probe_obs if obs is not None]
@@ -337,38 +462,70 @@ class PolicyRunner:
         record.weight_bytes += sum(a.nbytes for a in self._weights)
         return True
 
+    def _keep_probe_states(self, worker_id: int, msg: Message) -> None:
+        obs = msg.arrays[0]
+        probe = min(self.probe_steps, len(obs))
+        self._probe_obs[worker_id] = obs[len(obs) - probe :].reshape(-1, *obs.shape[2:]).copy()
+
+    # -- assembling ------------------------------------------------------------------------
     def _assemble(self, replies: dict[int, Message], steps: int) -> RolloutBatch:
+        """One batch from the workers in ``replies`` (all of them, or one for a fragment), in env order."""
         envs = self.envs
-        parts: dict[str, list[np.ndarray]] = {name: [] for name in (*ROLLOUT_FIELDS, "policy_versions", "next_obs")}
+        slices = [envs.worker_slices[w] for w in sorted(replies)]
+        num_envs = sum(sl.stop - sl.start for sl in slices)
+        parts: dict[str, list[np.ndarray]] = {name: [] for name in (*ROLLOUT_FIELDS, "next_obs")}
         logs: list[tuple[int, list[list[InfoRecord]]]] = []
         restarted: list[InfoRecord] = []
-        for w, sl in enumerate(envs.worker_slices):
+        offset = 0
+        for w, sl in zip(sorted(replies), slices, strict=True):
             msg = replies[w]
             if msg.kind is not Kind.ROLLOUT_RESULT or len(msg.arrays) != len(ROLLOUT_FIELDS) + 1:
                 raise ProtocolError(f"Worker {w} answered a rollout with {msg.kind.name} and {len(msg.arrays)} arrays.")
             for name, array in zip(ROLLOUT_FIELDS, msg.arrays, strict=False):
                 parts[name].append(array)
             parts["next_obs"].append(msg.arrays[-1])
-            version = int(msg.meta["version"])
-            parts["policy_versions"].append(np.full((steps, sl.stop - sl.start), version, dtype=np.int64))
             record = self._telemetry.workers[w]
-            record.lag_counts[self._version - version] += steps * (sl.stop - sl.start)
+            lags, counts = np.unique(
+                self._version - msg.arrays[ROLLOUT_FIELDS.index("policy_versions")], return_counts=True
+            )
+            for lag, count in zip(lags.tolist(), counts.tolist(), strict=True):
+                record.lag_counts[lag] += count
             if msg.meta.get("kl") is not None:
                 record.record_kl(float(msg.meta["kl"]))
-            probe = min(self.probe_steps, steps)
-            obs = msg.arrays[0]
-            self._probe_obs[w] = obs[steps - probe :].reshape(probe * obs.shape[1], *obs.shape[2:]).copy()
+            if self._stream is None:  # prefetch mode keeps them as each result arrives
+                self._keep_probe_states(w, msg)
             if msg.blobs[0]:
-                logs.append((sl.start, pickle.loads(msg.blobs[0])))
+                logs.append((offset, pickle.loads(msg.blobs[0])))
             if msg.meta.get("restarted"):
-                restarted += [(i, {WORKER_RESTARTED_KEY: True}) for i in range(sl.start, sl.stop)]
+                restarted += [(i, {WORKER_RESTARTED_KEY: True}) for i in range(offset, offset + sl.stop - sl.start)]
+            offset += sl.stop - sl.start
         infos: list[dict[str, Any]] = []
         for t in range(steps):
             info: dict[str, Any] = {}
             for start, worker_logs in logs:
-                info = replay_infos(info, worker_logs[t], envs.num_envs, start)
+                info = replay_infos(info, worker_logs[t], num_envs, start)
             infos.append(info)
         if restarted:  # a replacement's envs started new episodes at step 0
-            infos[0] = replay_infos(infos[0], restarted, envs.num_envs, 0)
+            infos[0] = replay_infos(infos[0], restarted, num_envs, 0)
         arrays = {name: np.concatenate(values, axis=0 if name == "next_obs" else 1) for name, values in parts.items()}
-        return RolloutBatch(**arrays, infos=infos, learner_version=self._version)
+        env_ids = np.concatenate([np.arange(sl.start, sl.stop) for sl in slices])
+        return RolloutBatch(**arrays, infos=infos, learner_version=self._version, env_ids=env_ids)
+
+
+class _Stream:
+    """The prefetch bookkeeping of a runner: per worker, rollout ids sent, consumed, and results held."""
+
+    def __init__(self, num_workers: int, next_id: int = 0) -> None:
+        self.started = False
+        self.mode: str | None = None  # "batches" (rollout) or "fragments"
+        self.num_steps = 0
+        self.hold = contextlib.ExitStack()  # the env's pending call, held while prefetching
+        self.next_id = [next_id] * num_workers
+        self.consumed = [next_id] * num_workers
+        self.sent: list[dict[int, dict[str, Any]]] = [{} for _ in range(num_workers)]
+        self.results: list[dict[int, Message]] = [{} for _ in range(num_workers)]
+        self.probe_id = [0] * num_workers
+
+    def in_flight(self, worker_id: int) -> list[dict[str, Any]]:
+        """The ROLLOUT commands of a worker whose results have not arrived, oldest first."""
+        return [self.sent[worker_id][r] for r in sorted(self.sent[worker_id])]

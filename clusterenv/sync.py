@@ -5,8 +5,9 @@ The divergence a worker measures is::
     KL(π_learner ‖ π_local) = mean over probe states s of
                               Σ_a π_learner(a|s) · (log π_learner(a|s) − log π_local(a|s))
 
-where both distributions come from the same :class:`~clusterenv.heads.Head` applied to
-the learner's latest outputs and the worker's local outputs on the same states, and the
+(an integral over actions for continuous heads), where both distributions come from the
+same :class:`~clusterenv.heads.Head` applied to the learner's latest outputs and the
+worker's local outputs on the same states, each head computing it exactly (``Head.kl``), and the
 probe states are the worker's own most recent observations: the last ``probe_steps``
 steps of its previous rollout, over all of its envs. The mean (not the sum) keeps the
 threshold independent of how many states and envs are probed.
@@ -28,7 +29,7 @@ from typing import ClassVar
 import numpy as np
 
 from clusterenv.errors import PolicyError
-from clusterenv.heads import Head
+from clusterenv.heads import Head, kl_divergence
 
 __all__ = [
     "APS",
@@ -43,27 +44,14 @@ __all__ = [
 ]
 
 
-def kl_divergence(log_p: np.ndarray, log_q: np.ndarray) -> np.ndarray:
-    """Per-row ``KL(p ‖ q) = Σ_a p(a) (log p(a) − log q(a))`` from log-probabilities ``(B, A)``.
-
-    Terms with ``p(a) = 0`` contribute nothing; ``q(a) = 0 < p(a)`` gives ``inf``.
-    """
-    log_p = np.asarray(log_p, dtype=np.float64)
-    log_q = np.asarray(log_q, dtype=np.float64)
-    p = np.exp(log_p)
-    with np.errstate(invalid="ignore"):
-        terms = np.where(p > 0, p * (log_p - log_q), 0.0)
-    return terms.sum(axis=-1)
-
-
 def mean_kl(head: Head, learner_outputs: np.ndarray, local_outputs: np.ndarray) -> float:
-    """``KL(π_learner ‖ π_local)`` averaged over the rows (probe states) of both output arrays."""
+    """``KL(π_learner ‖ π_local)`` averaged over the rows (probe states) of both output arrays, by ``head.kl``."""
     if learner_outputs.shape != local_outputs.shape:
         raise PolicyError(
             f"Learner outputs have shape {learner_outputs.shape} but the worker's probe outputs have shape "
-            f"{local_outputs.shape}; both must be (probe states, actions)."
+            f"{local_outputs.shape}; both must be (probe states, outputs per state)."
         )
-    return float(np.mean(kl_divergence(head.log_probs(learner_outputs), head.log_probs(local_outputs))))
+    return float(np.mean(head.kl(learner_outputs, local_outputs)))
 
 
 class SyncStrategy:

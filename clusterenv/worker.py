@@ -18,6 +18,7 @@ import socket as pysocket
 import sys
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,7 @@ from clusterenv.batching import InfoRecord, is_array_tree, leaf_arrays, unflatte
 from clusterenv.liveness import LEARNER_LOST_EXIT_CODE, Heartbeat, HeartbeatClient
 from clusterenv.protocol import Kind, Message
 from clusterenv.transport import SECRET_ENV_VAR, Channel, new_identity, resolve_secret
+from clusterenv.worker_policy import RolloutAborted
 from clusterenv.worker_policy import install as install_policy_handlers
 
 __all__ = ["Worker", "main", "serve"]
@@ -106,15 +108,53 @@ def _make_envs(env_fns: list[Callable[[], Any]]) -> list[Any]:
     return envs
 
 
+class Mailbox:
+    """The worker's side of the channel, with a queue so that a long command can read what arrives meanwhile.
+
+    A prefetched rollout calls :meth:`poll` between steps: kinds in ``urgent`` (new
+    weights, the learner's probe outputs) are handled at once; a CLOSE jumps the queue
+    and sets ``closing``; anything else waits its turn.
+    """
+
+    def __init__(self, channel: Channel, worker: Worker) -> None:
+        self.channel, self.worker = channel, worker
+        self.queue: deque[Message] = deque()
+        self.closing = False
+        self.seq: Any = None  # of the command being handled: the learner matches replies by it
+
+    def take(self, timeout: float) -> Message | None:
+        """The next command: queued first, else from the socket within ``timeout`` seconds."""
+        if self.queue:
+            return self.queue.popleft()
+        received = self.channel.recv(timeout, routed=False)
+        return None if received is None else received[1]
+
+    def poll(self) -> None:
+        """Read what has arrived, without waiting."""
+        while (received := self.channel.recv(0, routed=False)) is not None:
+            msg = received[1]
+            if msg.kind is Kind.CLOSE:
+                self.closing = True
+                self.queue.appendleft(msg)
+            elif msg.kind in self.worker.urgent:
+                self.worker.handle(msg)
+            else:
+                self.queue.append(msg)
+
+    def send(self, reply: Message) -> None:
+        """Send a message of the worker's own (a weight pull) outside the command-reply pattern."""
+        self.channel.send(reply.kind, {**reply.meta, "seq": self.seq}, reply.arrays, reply.blobs)
+
+
 class Worker:
-    """Command handlers for one worker; each returns the reply to send."""
+    """Command handlers for one worker; each returns the reply to send (``None``: no reply)."""
 
     def __init__(self, worker_id: int) -> None:
         self.worker_id = worker_id
         self.env_offset = 0
         self.envs: _RecordingVectorEnv | None = None
         self.array_obs = True
-        self.handlers: dict[Kind, Callable[[Message], Message]] = {
+        self.handlers: dict[Kind, Callable[[Message], Message | None]] = {
             Kind.INIT: self.init,
             Kind.RESET: self.reset,
             Kind.STEP: self.step,
@@ -124,6 +164,8 @@ class Worker:
         }
         self.shared_obs = False  # observations are written into the learner's shared batch
         self.never_reset = True  # a fresh (or replacement) worker's envs have no observation yet
+        self.urgent: set[Kind] = set()  # kinds a long command handles as soon as they arrive (Mailbox.poll)
+        self.mailbox: Mailbox
 
     # -- lifecycle -------------------------------------------------------------------------
     def init(self, msg: Message) -> Message:
@@ -209,7 +251,7 @@ class Worker:
         if self.envs is not None:
             self.envs.close()
 
-    def handle(self, msg: Message) -> Message:
+    def handle(self, msg: Message) -> Message | None:
         """Run the handler for ``msg`` and return the reply."""
         handler = self.handlers.get(msg.kind)
         if handler is None:
@@ -275,16 +317,17 @@ def serve(
     identity = new_identity(worker_id)
     channel = Channel.connect_dealer(context, address, key, identity)
     worker = Worker(-1 if worker_id is None else worker_id)
+    worker.mailbox = mailbox = Mailbox(channel, worker)
     install_policy_handlers(worker)  # the local-policy commands (SET_POLICY, SET_WEIGHTS, ROLLOUT)
     heart: HeartbeatClient | None = None
     join_deadline = None if join_timeout is None else time.monotonic() + join_timeout
     try:
         channel.send(Kind.HELLO, {"worker_id": worker_id, "pid": os.getpid(), "host": pysocket.gethostname()})
         while True:
-            received = channel.recv(IDLE_CHECK_INTERVAL_S, routed=False)
+            msg = mailbox.take(IDLE_CHECK_INTERVAL_S)
             if heart is not None and heart.learner_lost.is_set():
                 return LEARNER_LOST_EXIT_CODE
-            if received is None:
+            if msg is None:
                 if parent_pid is not None and os.getppid() != parent_pid:
                     logger.warning("Worker %d: learner process %d is gone; exiting.", worker.worker_id, parent_pid)
                     return LEARNER_LOST_EXIT_CODE
@@ -292,7 +335,6 @@ def serve(
                     logger.error("No learner at %s sent work within %.1f s; exiting.", address, join_timeout)
                     return LEARNER_LOST_EXIT_CODE
                 continue
-            _, msg = received
             if msg.kind is Kind.INIT and heart is None:
                 worker.worker_id = int(msg.meta.get("worker_id", worker.worker_id))
                 if "heartbeat" in msg.meta:
@@ -303,12 +345,15 @@ def serve(
                 worker.close()
                 channel.send(Kind.CLOSED)
                 return 0
-            seq = msg.meta.get("seq")
+            seq = mailbox.seq = msg.meta.get("seq")
             try:
                 reply = worker.handle(msg)
+            except RolloutAborted:
+                continue  # the CLOSE that aborted it is next in the queue
             except Exception as exc:
                 reply = _error_reply(worker, exc)
-            channel.send(reply.kind, {**reply.meta, "seq": seq}, reply.arrays, reply.blobs)
+            if reply is not None:
+                channel.send(reply.kind, {**reply.meta, "seq": seq}, reply.arrays, reply.blobs)
     finally:
         if heart is not None:
             heart.close()

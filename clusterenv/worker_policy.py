@@ -24,6 +24,7 @@ This module is worker-side: it imports torch only when a policy arrives, and not
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
@@ -39,7 +40,11 @@ if TYPE_CHECKING:
     from clusterenv.policy import LocalPolicy
     from clusterenv.worker import Worker
 
-__all__ = ["install"]
+__all__ = ["RolloutAborted", "install"]
+
+
+class RolloutAborted(Exception):
+    """The learner asked this worker to close in the middle of a prefetched rollout."""
 
 
 class _WorkerPolicy:
@@ -50,9 +55,13 @@ class _WorkerPolicy:
         self.policy: LocalPolicy | None = None
         self.strategy: SyncStrategy = EveryUpdate()
         self.rngs: list[np.random.Generator] = []
-        self.action_start = 0
         self.probe_outputs: np.ndarray | None = None
         self.pending: dict[str, Any] | None = None
+        # Prefetch mode: the probe states of recent rollouts by id, the learner's latest outputs on
+        # one of them, and whether a pull is on its way.
+        self.probe_obs: dict[int, np.ndarray] = {}
+        self.learner_probe: tuple[int, int, np.ndarray] | None = None
+        self.pull_outstanding = False
 
     def set_policy(self, msg: Message) -> Message:
         import torch
@@ -69,15 +78,16 @@ class _WorkerPolicy:
         # One generator per env, keyed by its global index: samples do not depend on the worker split.
         offset = self.worker.env_offset
         self.rngs = [np.random.default_rng(None if seed is None else [seed, offset + i]) for i in range(envs.num_envs)]
-        self.action_start = int(envs.single_action_space.start)  # type: ignore[attr-defined]
-        self.probe_outputs = None
-        self.pending = None
+        self.probe_outputs, self.pending = None, None
+        self.probe_obs, self.learner_probe, self.pull_outstanding = {}, None, False
         return Message(Kind.VALUE)
 
     def rollout(self, msg: Message) -> Message:
         if self.policy is None:
             raise PolicyError("ROLLOUT before SET_POLICY: this worker holds no policy.")
         request = dict(msg.meta, head=head_from_meta(msg.meta["head"]), kl=None)
+        if msg.meta.get("prefetch"):
+            return self._prefetched(request)
         if msg.arrays and self.probe_outputs is not None:
             request["kl"] = mean_kl(request["head"], msg.arrays[0], self.probe_outputs)
         pull = self.strategy.should_pull(
@@ -88,46 +98,86 @@ class _WorkerPolicy:
             return Message(Kind.WEIGHTS_REQUEST, {"kl": request["kl"], "version": self.policy.version})
         return self._act(request)
 
-    def set_weights(self, msg: Message) -> Message:
+    def _prefetched(self, request: dict[str, Any]) -> Message:
+        """A rollout of a prefetching runner: check the KL, ask for weights without waiting, act."""
+        assert self.policy is not None
+        mailbox = self.worker.mailbox
+        mailbox.poll()  # the latest probe outputs and any weights that came while this rollout was queued
+        learner_version = int(request["learner_version"])
+        if self.learner_probe is not None and self.learner_probe[0] in self.probe_obs:
+            rollout_id, version, outputs = self.learner_probe
+            learner_version = max(learner_version, version)
+            # The same states on both sides: the learner's latest outputs against this copy's outputs now.
+            request["kl"] = mean_kl(request["head"], outputs, self.policy.outputs(self.probe_obs[rollout_id]))
+        pull = self.strategy.should_pull(
+            local_version=self.policy.version, learner_version=learner_version, kl=request["kl"]
+        )
+        if pull and not self.pull_outstanding:
+            self.pull_outstanding = True
+            mailbox.send(Message(Kind.WEIGHTS_REQUEST, {"kl": request["kl"], "version": self.policy.version}))
+        reply = self._act(request, between_steps=mailbox.poll)
+        rollout_id = int(request["rollout_id"])
+        probe = min(int(request["probe_steps"]), int(request["num_steps"]))
+        obs = reply.arrays[0]
+        self.probe_obs[rollout_id] = obs[len(obs) - probe :].reshape(-1, *obs.shape[2:]).copy()
+        for old in [r for r in self.probe_obs if r < rollout_id - int(request["keep_probes"])]:
+            del self.probe_obs[old]
+        reply.meta["rollout_id"] = rollout_id
+        return reply
+
+    def probe(self, msg: Message) -> None:
+        """The learner's latest outputs on the probe states of one of this worker's rollouts (prefetch mode)."""
+        self.learner_probe = (int(msg.meta["rollout_id"]), int(msg.meta["version"]), msg.arrays[0])
+
+    def set_weights(self, msg: Message) -> Message | None:
         if self.policy is None:
             raise PolicyError("SET_WEIGHTS before SET_POLICY: this worker holds no policy.")
         self.policy.load(list(msg.arrays), msg.meta["version"])
+        if msg.meta.get("prefetch"):  # an answer to a pull sent without waiting: the next step acts with it
+            self.pull_outstanding = False
+            return None
         request, self.pending = self.pending, None
         return Message(Kind.VALUE) if request is None else self._act(request)
 
-    def _act(self, request: dict[str, Any]) -> Message:
-        envs, policy = self.worker.envs, self.policy
+    def _act(self, request: dict[str, Any], between_steps: Callable[[], None] | None = None) -> Message:
+        envs, policy, worker = self.worker.envs, self.policy, self.worker
         assert envs is not None and policy is not None
         steps, head, n = int(request["num_steps"]), request["head"], envs.num_envs
-        restarted = self.worker.never_reset
+        restarted = worker.never_reset
         if restarted:  # a replacement for a lost worker, asked to replay the rollout: start new episodes
             envs.reset()
             envs.info_log = []
-            self.worker.never_reset = False
+            worker.never_reset = False
         next_step = envs.autoreset_mode == AutoresetMode.NEXT_STEP
         current = envs.current_observations
-        num_actions = int(envs.single_action_space.n)  # type: ignore[attr-defined]
         out: dict[str, np.ndarray] = {
             "obs": np.empty((steps, *current.shape), dtype=current.dtype),
-            "actions": np.empty((steps, n), dtype=np.int64),
             "logprobs": np.empty((steps, n), dtype=np.float32),
-            "logits": np.empty((steps, n, num_actions), dtype=np.float32),
             "rewards": np.empty((steps, n), dtype=np.float64),
             "terminations": np.empty((steps, n), dtype=np.bool_),
             "truncations": np.empty((steps, n), dtype=np.bool_),
             "autoreset": np.zeros((steps, n), dtype=np.bool_),
+            "policy_versions": np.empty((steps, n), dtype=np.int64),
         }
         info_logs = []
         for t in range(steps):
+            if between_steps is not None:
+                between_steps()  # weights that arrived act from this step on; a CLOSE aborts
+                if worker.mailbox.closing:
+                    raise RolloutAborted
             # Copy: with copy=False the env writes its next observation into this same buffer.
             out["obs"][t] = current
             if next_step:
                 out["autoreset"][t] = envs.autoresetting()
             logits = policy.outputs(out["obs"][t])
-            out["logits"][t] = logits
-            actions, out["logprobs"][t] = head.act(logits, np.array([rng.random() for rng in self.rngs]))
-            out["actions"][t] = actions + self.action_start
-            current, out["rewards"][t], out["terminations"][t], out["truncations"][t], _ = envs.step(out["actions"][t])
+            actions, out["logprobs"][t] = head.act(logits, self.rngs)
+            if t == 0:  # shapes and dtypes come from the head: (n, *action_shape)
+                out["logits"] = np.empty((steps, *logits.shape), dtype=np.float32)
+                out["actions"] = np.empty((steps, *actions.shape), dtype=actions.dtype)
+            out["logits"][t], out["actions"][t] = logits, actions
+            out["policy_versions"][t] = policy.version
+            env_actions = head.to_env(actions, envs.single_action_space)
+            current, out["rewards"][t], out["terminations"][t], out["truncations"][t], _ = envs.step(env_actions)
             info_logs.append(envs.info_log)
             envs.info_log = []
         probe = min(int(request["probe_steps"]), steps)
@@ -144,3 +194,5 @@ def install(worker: Worker) -> None:
     worker.handlers[Kind.SET_POLICY] = state.set_policy
     worker.handlers[Kind.SET_WEIGHTS] = state.set_weights
     worker.handlers[Kind.ROLLOUT] = state.rollout
+    worker.handlers[Kind.PROBE] = state.probe
+    worker.urgent.update({Kind.PROBE, Kind.SET_WEIGHTS})

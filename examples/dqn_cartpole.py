@@ -30,6 +30,14 @@ class Args:
     """torch CPU threads; one is fastest for this small network and leaves the other cores to the envs"""
     backend: Literal["clusterenv", "gym"] = "clusterenv"
     """`clusterenv.ClusterEnv` (envs in worker processes) or `gym.vector.SyncVectorEnv` (the Gymnasium original)"""
+    local_policy: bool = False
+    """act with a copy of the Q-network in each worker, streaming per-worker fragments (clusterenv.PolicyRunner)"""
+    prefetch: int = 1
+    """with --local-policy: fragments each worker collects ahead of the learner"""
+    fragment_steps: int = 32
+    """with --local-policy: steps per env in one fragment"""
+    aps_threshold: float = 0.05
+    """with --local-policy: a worker pulls new weights when KL(learner || its copy) exceeds this"""
     runs_dir: str = "runs"
     """where `<run_name>/episodes.csv` and `<run_name>/learning_curve.png` go"""
 
@@ -72,6 +80,12 @@ def check_args(args):
         raise SystemExit(f"error: --num-envs must be at least 1, got {args.num_envs}")
     if args.train_frequency < 1 or args.target_network_frequency < 1:
         raise SystemExit("error: --train-frequency and --target-network-frequency must be at least 1")
+    if args.local_policy and args.backend != "clusterenv":
+        raise SystemExit(
+            "error: --local-policy runs the Q-network in clusterenv workers; it needs --backend clusterenv"
+        )
+    if args.local_policy and (args.prefetch < 1 or args.fragment_steps < 1 or not args.aps_threshold > 0):
+        raise SystemExit("error: --prefetch and --fragment-steps must be at least 1, --aps-threshold positive")
     if args.batch_size > args.buffer_size:
         raise SystemExit(f"error: --batch-size ({args.batch_size}) must not exceed --buffer-size ({args.buffer_size})")
     try:
@@ -190,66 +204,123 @@ if __name__ == "__main__":
     start_time = time.time()
     scalars = {}
 
-    # TRY NOT TO MODIFY: start the game
-    obs, _ = envs.reset(seed=args.seed)
-    for iteration in range(num_iterations):
-        global_step = iteration * args.num_envs
-        # ALGO LOGIC: put action logic here
-        epsilon = linear_schedule(
-            args.start_e, args.end_e, args.exploration_fraction * args.total_timesteps, global_step
+    def gradient_step():
+        observations, b_actions, next_observations, dones, b_rewards = rb.sample(args.batch_size)
+        with torch.no_grad():
+            target_max, _ = target_network(next_observations).max(dim=1)
+            td_target = b_rewards.flatten() + args.gamma * target_max * (1 - dones.flatten())
+        old_val = q_network(observations).gather(1, b_actions).squeeze()
+        loss = F.mse_loss(td_target, old_val)
+
+        # optimize the model
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return {"losses/td_loss": loss.item(), "losses/q_values": old_val.mean().item()}
+
+    def update_target_network():
+        for target_network_param, q_network_param in zip(
+            target_network.parameters(), q_network.parameters(), strict=True
+        ):
+            target_network_param.data.copy_(
+                args.tau * q_network_param.data + (1.0 - args.tau) * target_network_param.data
+            )
+
+    if args.local_policy:
+        # The workers act epsilon-greedily with their copies of the Q-network and stream per-worker fragments
+        # as they arrive, so the replay buffer never waits for the slowest worker. Gradient and target-network
+        # steps keep the step loop's ratio to env steps (per `num_envs` env steps, as one vector step there).
+        runner = clusterenv.PolicyRunner(
+            envs,
+            q_network,
+            clusterenv.APS(threshold=args.aps_threshold),
+            head=clusterenv.EpsilonGreedy(args.start_e),
+            seed=args.seed,
+            prefetch=args.prefetch,
         )
-        if random.random() < epsilon:
-            actions = np.array([envs.single_action_space.sample() for _ in range(envs.num_envs)])
-        else:
-            with torch.no_grad():
-                q_values = q_network(torch.Tensor(obs).to(device))
-            actions = torch.argmax(q_values, dim=1).cpu().numpy()
-
-        # TRY NOT TO MODIFY: execute the game and log data.
-        next_obs, rewards, terminations, truncations, infos = envs.step(actions)
-
-        # TRY NOT TO MODIFY: record rewards for plotting purposes
-        log.record(global_step + args.num_envs, infos)
-
-        # TRY NOT TO MODIFY: save data to reply buffer; handle `final_obs`
-        real_next_obs = next_obs.copy()
-        for idx in np.flatnonzero(infos.get("_final_obs", ())):
-            real_next_obs[idx] = infos["final_obs"][idx]
-        rb.add(obs, real_next_obs, actions, rewards, terminations)
-
-        # TRY NOT TO MODIFY: CRUCIAL step easy to overlook
-        obs = next_obs
-
-        # ALGO LOGIC: training.
-        if global_step > args.learning_starts:
-            if iteration % args.train_frequency == 0:
-                observations, b_actions, next_observations, dones, b_rewards = rb.sample(args.batch_size)
-                with torch.no_grad():
-                    target_max, _ = target_network(next_observations).max(dim=1)
-                    td_target = b_rewards.flatten() + args.gamma * target_max * (1 - dones.flatten())
-                old_val = q_network(observations).gather(1, b_actions).squeeze()
-                loss = F.mse_loss(td_target, old_val)
-
-                # optimize the model
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-                scalars = {"losses/td_loss": loss.item(), "losses/q_values": old_val.mean().item()}
-
-            # update target network
-            if iteration % args.target_network_frequency == 0:
-                for target_network_param, q_network_param in zip(
-                    target_network.parameters(), q_network.parameters(), strict=True
-                ):
-                    target_network_param.data.copy_(
-                        args.tau * q_network_param.data + (1.0 - args.tau) * target_network_param.data
-                    )
-
-        if iteration % 100 == 0:
+        global_step, trained, targeted = 0, 0, 0
+        fragments = runner.fragments(args.fragment_steps)
+        while global_step < num_iterations * args.num_envs:
+            epsilon = linear_schedule(
+                args.start_e, args.end_e, args.exploration_fraction * args.total_timesteps, global_step
+            )
+            runner.head = clusterenv.EpsilonGreedy(epsilon)  # for the fragments requested from now on
+            fragment = next(fragments)
+            for t in range(fragment.num_steps):
+                global_step += fragment.num_envs
+                log.record(global_step, fragment.infos[t])
+                # SAME_STEP autoreset: obs[t + 1] of a finished env is the reset one; its true last is in the infos
+                real_next_obs = (fragment.obs[t + 1] if t + 1 < fragment.num_steps else fragment.next_obs).copy()
+                for idx in np.flatnonzero(fragment.infos[t].get("_final_obs", ())):
+                    real_next_obs[idx] = fragment.infos[t]["final_obs"][idx]
+                rb.add(
+                    fragment.obs[t], real_next_obs, fragment.actions[t], fragment.rewards[t], fragment.terminations[t]
+                )
+            if global_step > args.learning_starts:
+                while trained < global_step // (args.train_frequency * args.num_envs):
+                    scalars = gradient_step()
+                    trained += 1
+                while targeted < global_step // (args.target_network_frequency * args.num_envs):
+                    update_target_network()
+                    targeted += 1
+                runner.publish(q_network)
+            else:
+                trained = global_step // (args.train_frequency * args.num_envs)
+                targeted = global_step // (args.target_network_frequency * args.num_envs)
+            sync = runner.telemetry.summary()
             scalars.update({"charts/epsilon": epsilon, "charts/SPS": int(global_step / (time.time() - start_time))})
-            log.progress(global_step + args.num_envs, scalars, eps=f"{epsilon:.2f}")
+            scalars.update(sync)
+            log.progress(global_step, scalars, eps=f"{epsilon:.2f}", pulls=sync["sync/pulls"])
             scalars = {}
+        fragments.close()
+        runner.stop()
+        mode = f"local policy, APS {args.aps_threshold}, prefetch {args.prefetch}"
+    else:
+        # TRY NOT TO MODIFY: start the game
+        obs, _ = envs.reset(seed=args.seed)
+        for iteration in range(num_iterations):
+            global_step = iteration * args.num_envs
+            # ALGO LOGIC: put action logic here
+            epsilon = linear_schedule(
+                args.start_e, args.end_e, args.exploration_fraction * args.total_timesteps, global_step
+            )
+            if random.random() < epsilon:
+                actions = np.array([envs.single_action_space.sample() for _ in range(envs.num_envs)])
+            else:
+                with torch.no_grad():
+                    q_values = q_network(torch.Tensor(obs).to(device))
+                actions = torch.argmax(q_values, dim=1).cpu().numpy()
 
-    log.progress(num_iterations * args.num_envs, {})
+            # TRY NOT TO MODIFY: execute the game and log data.
+            next_obs, rewards, terminations, truncations, infos = envs.step(actions)
+
+            # TRY NOT TO MODIFY: record rewards for plotting purposes
+            log.record(global_step + args.num_envs, infos)
+
+            # TRY NOT TO MODIFY: save data to reply buffer; handle `final_obs`
+            real_next_obs = next_obs.copy()
+            for idx in np.flatnonzero(infos.get("_final_obs", ())):
+                real_next_obs[idx] = infos["final_obs"][idx]
+            rb.add(obs, real_next_obs, actions, rewards, terminations)
+
+            # TRY NOT TO MODIFY: CRUCIAL step easy to overlook
+            obs = next_obs
+
+            # ALGO LOGIC: training.
+            if global_step > args.learning_starts:
+                if iteration % args.train_frequency == 0:
+                    scalars = gradient_step()
+
+                # update target network
+                if iteration % args.target_network_frequency == 0:
+                    update_target_network()
+
+            if iteration % 100 == 0:
+                scalars.update({"charts/epsilon": epsilon, "charts/SPS": int(global_step / (time.time() - start_time))})
+                log.progress(global_step + args.num_envs, scalars, eps=f"{epsilon:.2f}")
+                scalars = {}
+
+        log.progress(num_iterations * args.num_envs, {})
+        mode = args.backend
     envs.close()
-    log.close(f"DQN {args.env_id} ({args.backend}, seed {args.seed})")
+    log.close(f"DQN {args.env_id} ({mode}, seed {args.seed})")

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.optim as optim
 import tyro
+from advantages import compute_advantages
 from episode_log import EpisodeLog
 from torch.distributions.categorical import Categorical
 
@@ -239,7 +240,9 @@ if __name__ == "__main__":
     actions = torch.zeros((args.num_steps, args.num_envs) + envs.single_action_space.shape).to(device)
     logprobs = torch.zeros((args.num_steps, args.num_envs)).to(device)
     rewards = torch.zeros((args.num_steps, args.num_envs)).to(device)
-    dones = torch.zeros((args.num_steps, args.num_envs)).to(device)
+    terminated = torch.zeros((args.num_steps, args.num_envs), dtype=torch.bool).to(device)
+    truncated = torch.zeros((args.num_steps, args.num_envs), dtype=torch.bool).to(device)
+    autoreset = torch.zeros((args.num_steps, args.num_envs), dtype=torch.bool).to(device)
     values = torch.zeros((args.num_steps, args.num_envs)).to(device)
 
     # TRY NOT TO MODIFY: start the game
@@ -247,7 +250,7 @@ if __name__ == "__main__":
     start_time = time.time()
     next_obs, _ = envs.reset(seed=args.seed)
     next_obs = torch.Tensor(next_obs).to(device)
-    next_done = torch.zeros(args.num_envs).to(device)
+    next_autoreset = torch.zeros(args.num_envs, dtype=torch.bool).to(device)
 
     for iteration in range(1, args.num_iterations + 1):
         # Annealing the rate if instructed to do so.
@@ -259,7 +262,9 @@ if __name__ == "__main__":
         for step in range(0, args.num_steps):
             global_step += args.num_envs
             obs[step] = next_obs
-            dones[step] = next_done
+            # Gymnasium 1.x NEXT_STEP autoreset: an env whose previous step ended its episode resets now,
+            # ignoring its action (reward 0). CleanRL's 0.29 loop has no such step.
+            autoreset[step] = next_autoreset
 
             # ALGO LOGIC: action logic
             with torch.no_grad():
@@ -270,26 +275,22 @@ if __name__ == "__main__":
 
             # TRY NOT TO MODIFY: execute the game and log data.
             next_obs, reward, terminations, truncations, infos = envs.step(action.cpu().numpy())
-            next_done = np.logical_or(terminations, truncations)
+            terminated[step] = torch.as_tensor(terminations).to(device)
+            truncated[step] = torch.as_tensor(truncations).to(device)
+            next_autoreset = terminated[step] | truncated[step]
             rewards[step] = torch.tensor(reward).to(device).view(-1)
-            next_obs, next_done = torch.Tensor(next_obs).to(device), torch.Tensor(next_done).to(device)
+            next_obs = torch.Tensor(next_obs).to(device)
             log.record(global_step, infos)
 
         # bootstrap value if not done
         with torch.no_grad():
             next_value = agent.get_value(next_obs).reshape(1, -1)
-            advantages = torch.zeros_like(rewards).to(device)
-            lastgaelam = 0
-            for t in reversed(range(args.num_steps)):
-                if t == args.num_steps - 1:
-                    nextnonterminal = 1.0 - next_done
-                    nextvalues = next_value
-                else:
-                    nextnonterminal = 1.0 - dones[t + 1]
-                    nextvalues = values[t + 1]
-                delta = rewards[t] + args.gamma * nextvalues * nextnonterminal - values[t]
-                advantages[t] = lastgaelam = delta + args.gamma * args.gae_lambda * nextnonterminal * lastgaelam
-            returns = advantages + values
+            # V(obs[t + 1]): at a truncation NEXT_STEP returns the episode's true final observation (the reset
+            # comes one step later), so this bootstraps truncated steps from the right state.
+            next_values = torch.cat([values[1:], next_value])
+            advantages, returns, valid = compute_advantages(
+                rewards, values, next_values, terminated, truncated, autoreset, args.gamma, args.gae_lambda
+            )
 
         # flatten the batch
         b_obs = obs.reshape((-1,) + envs.single_observation_space.shape)
@@ -299,13 +300,8 @@ if __name__ == "__main__":
         b_returns = returns.reshape(-1)
         b_values = values.reshape(-1)
 
-        # Gymnasium 1.x autoreset (NEXT_STEP; CleanRL was written for 0.29): the step after a done
-        # ignores its action and returns the reset observation with reward 0, so the transition
-        # stored at a step with dones[t] == 1 goes from the final observation to the reset one. GAE
-        # never crosses it (nextnonterminal is 0 at the done step), and it is left out of the update
-        # here. SAME_STEP would keep CleanRL's loop unchanged but hides the final observation in
-        # infos; this keeps Gymnasium's default mode and costs one env step per episode.
-        b_valid = np.flatnonzero(dones.reshape(-1).cpu().numpy() == 0)
+        # Reset steps carry no transition (see examples/advantages.py): only the other rows go into the loss.
+        b_valid = np.flatnonzero(valid.reshape(-1).cpu().numpy())
 
         # Optimizing the policy and value network
         clipfracs = []

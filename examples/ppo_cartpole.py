@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.optim as optim
 import tyro
+from advantages import compute_advantages
 from episode_log import EpisodeLog
 from torch.distributions.categorical import Categorical
 
@@ -36,6 +37,10 @@ class Args:
     """act with a copy of the actor in each worker (clusterenv.PolicyRunner) instead of on the learner"""
     aps_threshold: float = 0.01
     """with --local-policy: a worker pulls new weights when KL(learner || its copy) exceeds this"""
+    prefetch: int = 0
+    """with --local-policy: rollouts each worker collects ahead while the learner trains (0: lockstep)"""
+    is_clip: float = 1.0
+    """with --local-policy: truncation of the importance weight pi_learner / pi_acting (decoupled PPO ratio)"""
     runs_dir: str = "runs"
     """where `<run_name>/episodes.csv` and `<run_name>/learning_curve.png` go"""
 
@@ -101,6 +106,8 @@ def check_args(args):
         raise SystemExit("error: --local-policy runs the actor in clusterenv workers; it needs --backend clusterenv")
     if args.local_policy and not args.aps_threshold > 0:
         raise SystemExit(f"error: --aps-threshold must be positive, got {args.aps_threshold}")
+    if args.prefetch < 0 or (args.prefetch and not args.local_policy):
+        raise SystemExit(f"error: --prefetch {args.prefetch} needs --local-policy and must not be negative")
     try:
         spec = gym.spec(args.env_id)
     except gym.error.Error as exc:
@@ -182,7 +189,9 @@ if __name__ == "__main__":
     log = EpisodeLog(os.path.join(args.runs_dir, run_name), args.num_iterations * args.batch_size, args.return_window)
     # Only the actor goes to the workers; the critic stays here and values the returned observations.
     runner = (
-        clusterenv.PolicyRunner(envs, agent.actor, clusterenv.APS(threshold=args.aps_threshold), seed=args.seed)
+        clusterenv.PolicyRunner(
+            envs, agent.actor, clusterenv.APS(threshold=args.aps_threshold), seed=args.seed, prefetch=args.prefetch
+        )
         if args.local_policy
         else None
     )
@@ -192,7 +201,9 @@ if __name__ == "__main__":
     actions = torch.zeros((args.num_steps, args.num_envs) + envs.single_action_space.shape).to(device)
     logprobs = torch.zeros((args.num_steps, args.num_envs)).to(device)
     rewards = torch.zeros((args.num_steps, args.num_envs)).to(device)
-    dones = torch.zeros((args.num_steps, args.num_envs)).to(device)
+    terminated = torch.zeros((args.num_steps, args.num_envs), dtype=torch.bool).to(device)
+    truncated = torch.zeros((args.num_steps, args.num_envs), dtype=torch.bool).to(device)
+    autoreset = torch.zeros((args.num_steps, args.num_envs), dtype=torch.bool).to(device)
     values = torch.zeros((args.num_steps, args.num_envs)).to(device)
 
     # TRY NOT TO MODIFY: start the game
@@ -200,7 +211,7 @@ if __name__ == "__main__":
     start_time = time.time()
     next_obs, _ = envs.reset(seed=args.seed)
     next_obs = torch.Tensor(next_obs).to(device)
-    next_done = torch.zeros(args.num_envs).to(device)
+    next_autoreset = torch.zeros(args.num_envs, dtype=torch.bool).to(device)
 
     for iteration in range(1, args.num_iterations + 1):
         # Annealing the rate if instructed to do so.
@@ -219,17 +230,19 @@ if __name__ == "__main__":
             actions.copy_(torch.as_tensor(batch.actions))
             logprobs.copy_(torch.as_tensor(batch.logprobs))
             rewards.copy_(torch.as_tensor(batch.rewards))
-            # In NEXT_STEP mode "the previous step ended the episode" is exactly the reset-step mark.
-            dones.copy_(torch.as_tensor(batch.autoreset))
+            terminated.copy_(torch.as_tensor(batch.terminations))
+            truncated.copy_(torch.as_tensor(batch.truncations))
+            autoreset.copy_(torch.as_tensor(batch.autoreset))
             with torch.no_grad():
                 values.copy_(agent.get_value(obs).squeeze(-1))
             next_obs = torch.Tensor(batch.next_obs).to(device)
-            next_done = torch.Tensor(batch.terminations[-1] | batch.truncations[-1]).to(device)
         else:
             for step in range(0, args.num_steps):
                 global_step += args.num_envs
                 obs[step] = next_obs
-                dones[step] = next_done
+                # Gymnasium 1.x NEXT_STEP autoreset: an env whose previous step ended its episode resets now,
+                # ignoring its action (reward 0). CleanRL's 0.29 loop has no such step.
+                autoreset[step] = next_autoreset
 
                 # ALGO LOGIC: action logic
                 with torch.no_grad():
@@ -240,26 +253,22 @@ if __name__ == "__main__":
 
                 # TRY NOT TO MODIFY: execute the game and log data.
                 next_obs, reward, terminations, truncations, infos = envs.step(action.cpu().numpy())
-                next_done = np.logical_or(terminations, truncations)
+                terminated[step] = torch.as_tensor(terminations).to(device)
+                truncated[step] = torch.as_tensor(truncations).to(device)
+                next_autoreset = terminated[step] | truncated[step]
                 rewards[step] = torch.tensor(reward).to(device).view(-1)
-                next_obs, next_done = torch.Tensor(next_obs).to(device), torch.Tensor(next_done).to(device)
+                next_obs = torch.Tensor(next_obs).to(device)
                 log.record(global_step, infos)
 
         # bootstrap value if not done
         with torch.no_grad():
             next_value = agent.get_value(next_obs).reshape(1, -1)
-            advantages = torch.zeros_like(rewards).to(device)
-            lastgaelam = 0
-            for t in reversed(range(args.num_steps)):
-                if t == args.num_steps - 1:
-                    nextnonterminal = 1.0 - next_done
-                    nextvalues = next_value
-                else:
-                    nextnonterminal = 1.0 - dones[t + 1]
-                    nextvalues = values[t + 1]
-                delta = rewards[t] + args.gamma * nextvalues * nextnonterminal - values[t]
-                advantages[t] = lastgaelam = delta + args.gamma * args.gae_lambda * nextnonterminal * lastgaelam
-            returns = advantages + values
+            # V(obs[t + 1]): at a truncation NEXT_STEP returns the episode's true final observation (the reset
+            # comes one step later), so this bootstraps truncated steps from the right state.
+            next_values = torch.cat([values[1:], next_value])
+            advantages, returns, valid = compute_advantages(
+                rewards, values, next_values, terminated, truncated, autoreset, args.gamma, args.gae_lambda
+            )
 
         # flatten the batch
         b_obs = obs.reshape((-1,) + envs.single_observation_space.shape)
@@ -269,13 +278,17 @@ if __name__ == "__main__":
         b_returns = returns.reshape(-1)
         b_values = values.reshape(-1)
 
-        # Gymnasium 1.x autoreset (NEXT_STEP; CleanRL was written for 0.29): the step after a done
-        # ignores its action and returns the reset observation with reward 0, so the transition
-        # stored at a step with dones[t] == 1 goes from the final observation to the reset one. GAE
-        # never crosses it (nextnonterminal is 0 at the done step), and it is left out of the update
-        # here. SAME_STEP would keep CleanRL's loop unchanged but hides the final observation in
-        # infos; this keeps Gymnasium's default mode and costs one env step per episode.
-        b_valid = np.flatnonzero(dones.reshape(-1).cpu().numpy() == 0)
+        # Reset steps carry no transition (see examples/advantages.py): only the other rows go into the loss.
+        b_valid = np.flatnonzero(valid.reshape(-1).cpu().numpy())
+        b_weights = torch.ones_like(b_logprobs)
+        if runner is not None:
+            # The acting copy may lag the learner (APS, prefetch): clip against the learner's own pre-update
+            # policy and weight each sample by min(pi_learner / pi_acting, is_clip) (Hilton et al. 2021,
+            # "decoupled" PPO). With an up-to-date copy the weight is 1 and this is ppo.py.
+            with torch.no_grad():
+                _, prox_logprobs, _, _ = agent.get_action_and_value(b_obs, b_actions.long())
+            b_weights = torch.clamp((prox_logprobs - b_logprobs).exp(), max=args.is_clip)
+            b_logprobs = prox_logprobs
 
         # Optimizing the policy and value network
         clipfracs = []
@@ -299,7 +312,7 @@ if __name__ == "__main__":
                 # Policy loss
                 pg_loss1 = -mb_advantages * ratio
                 pg_loss2 = -mb_advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
-                pg_loss = torch.max(pg_loss1, pg_loss2).mean()
+                pg_loss = (b_weights[mb_inds] * torch.max(pg_loss1, pg_loss2)).mean()
 
                 # Value loss
                 newvalue = newvalue.view(-1)
@@ -352,6 +365,8 @@ if __name__ == "__main__":
             postfix["pulls"] = sync["sync/pulls"]
         log.progress(global_step, scalars, **postfix)
 
+    if runner is not None:
+        runner.stop()
     envs.close()
-    mode = f"local policy, APS {args.aps_threshold}" if args.local_policy else args.backend
+    mode = f"local policy, APS {args.aps_threshold}, prefetch {args.prefetch}" if args.local_policy else args.backend
     log.close(f"PPO {args.env_id} ({mode}, seed {args.seed})")

@@ -186,3 +186,15 @@ class BoxInfoEnv(gym.Env):
         if self.t % 4 == 0:
             info["quarter"] = np.float32(self.np_random.random())
         return obs, reward, terminated, self.t >= self.max_len, info
+
+
+class SlowCartPole(gym.Wrapper):
+    """CartPole whose step sleeps ``delay`` seconds: a rollout that takes a while, without using CPU."""
+
+    def __init__(self, delay: float = 0.01) -> None:
+        super().__init__(gym.make("CartPole-v1"))
+        self.delay = delay
+
+    def step(self, action):
+        time.sleep(self.delay)
+        return self.env.step(action)

@@ -1,0 +1,161 @@
+"""Prefetched rollouts: workers keep collecting while the learner trains, and nothing is lost or reordered."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.error import AlreadyPendingCallError
+from gymnasium.vector import SyncVectorEnv
+
+from clusterenv import ClusterEnv, Greedy, PolicyError, PolicyRunner, WorkerLostError
+from tests.envs import SlowCartPole
+from tests.policies import linear_policy, outputs
+
+FIELDS = ("obs", "actions", "logprobs", "logits", "rewards", "terminations", "truncations", "autoreset")
+
+
+def cartpoles(n: int, workers: int, **kwargs) -> ClusterEnv:
+    return ClusterEnv([lambda: gym.make("CartPole-v1")] * n, num_workers=workers, **kwargs)
+
+
+def concat(batches, name):
+    return np.concatenate([getattr(b, name) for b in batches])
+
+
+@pytest.mark.parametrize("prefetch", [1, 3])
+def test_successive_prefetched_batches_are_one_long_rollout(prefetch):
+    """The same envs, seeds and deterministic policy: 4 x 16 prefetched steps == 64 lockstep steps == SyncVectorEnv."""
+    policy = linear_policy(4, 2, seed=3)
+    with cartpoles(6, 3) as envs:
+        runner = PolicyRunner(envs, policy, head=Greedy(), seed=7, prefetch=prefetch)
+        batches = [runner.rollout(16) for _ in range(4)]
+        leftovers = runner.stop()
+    assert len(leftovers) == prefetch  # collected ahead, handed back: no step is lost
+    with cartpoles(6, 2) as envs:
+        long = PolicyRunner(envs, policy, head=Greedy(), seed=7).rollout(64)
+    for name in FIELDS:
+        np.testing.assert_array_equal(concat(batches, name), getattr(long, name), err_msg=name)
+    np.testing.assert_array_equal(batches[-1].next_obs, long.next_obs)
+    reference = SyncVectorEnv([lambda: gym.make("CartPole-v1")] * 6)
+    obs, _ = reference.reset(seed=7)
+    for t in range(64):
+        np.testing.assert_array_equal(long.obs[t], obs)
+        actions = outputs(policy, obs).argmax(-1)
+        np.testing.assert_array_equal(long.actions[t], actions)
+        obs, rewards, *_ = reference.step(actions)
+        np.testing.assert_array_equal(long.rewards[t], rewards)
+    reference.close()
+
+
+def test_lag_is_recorded_per_step_and_in_telemetry():
+    policy = linear_policy(4, 2, seed=0)
+    with cartpoles(4, 2) as envs:
+        runner = PolicyRunner(envs, policy, seed=0, prefetch=1)  # default sync: EveryUpdate
+        lags = []
+        for _ in range(5):
+            batch = runner.rollout(8)
+            lags.append(batch.learner_version - batch.policy_versions)
+            runner.publish()
+        leftovers = runner.stop()
+        telemetry = runner.telemetry
+    # Batch 0 acted with version 0 before any publish. Batch 1 started as soon as batch 0 was
+    # sent, when no newer version existed, and is handed over after one publish: lag 1 exactly.
+    assert (lags[0] == 0).all() and (lags[1] == 1).all()
+    assert all((lag >= 0).all() for lag in lags)
+    # Pulled weights act from the next step on: versions never go back within a batch.
+    assert all((np.diff(batch.learner_version - lag, axis=0) >= 0).all() for lag in lags)
+    counts = telemetry.total.lag_counts
+    assert sum(counts.values()) == (5 + len(leftovers)) * 8 * 4
+    assert telemetry.total.pulls >= 1
+
+
+def test_fragments_carry_their_env_ids_and_continue_each_other():
+    policy = linear_policy(4, 2, seed=1)
+    with cartpoles(5, 2) as envs:
+        runner = PolicyRunner(envs, policy, head=Greedy(), seed=3, prefetch=1)
+        per_worker: dict[tuple[int, ...], list] = {}
+        stream = runner.fragments(8)
+        for _ in range(6):
+            fragment = next(stream)
+            per_worker.setdefault(tuple(fragment.env_ids.tolist()), []).append(fragment)
+        stream.close()
+        per_worker_left = runner.stop()
+        for fragment in per_worker_left:
+            per_worker.setdefault(tuple(fragment.env_ids.tolist()), []).append(fragment)
+        slices = {tuple(range(sl.start, sl.stop)) for sl in envs.worker_slices}
+    assert set(per_worker) == slices
+    with cartpoles(5, 1) as envs:
+        long = PolicyRunner(envs, policy, head=Greedy(), seed=3).rollout(8 * 6)
+    for env_ids, fragments in per_worker.items():
+        for name in FIELDS:
+            got = concat(fragments, name)
+            np.testing.assert_array_equal(got, getattr(long, name)[: len(got), list(env_ids)], err_msg=name)
+
+
+def test_at_most_prefetch_batches_are_held_when_the_learner_stops_asking():
+    with cartpoles(2, 2) as envs:
+        runner = PolicyRunner(envs, linear_policy(4, 2, seed=0), seed=0, prefetch=2)
+        runner.rollout(4)
+        time.sleep(1.0)  # ample time for the workers to finish all they were asked for
+        runner.publish()  # reads what arrived
+        held = [len(results) for results in runner._stream.results]
+        in_flight = [len(runner._stream.sent[w]) for w in range(2)]
+        assert held == [2, 2] and in_flight == [0, 0]
+        assert len(runner.stop()) == 2
+
+
+def test_prefetching_holds_the_envs_until_stop():
+    with cartpoles(2, 1) as envs:
+        runner = PolicyRunner(envs, linear_policy(4, 2, seed=0), seed=0, prefetch=1)
+        runner.rollout(4)
+        with pytest.raises(AlreadyPendingCallError, match="held by a prefetching PolicyRunner; call runner.stop"):
+            envs.step(np.zeros(2, dtype=np.int64))
+        with pytest.raises(PolicyError, match="fixed length: it was started with num_steps=4, got 5"):
+            runner.rollout(5)
+        runner.stop()
+        envs.step(np.zeros(2, dtype=np.int64))  # usable again
+        assert runner.rollout(5).num_steps == 5
+
+
+def test_close_in_the_middle_of_a_prefetch_returns_promptly():
+    envs = ClusterEnv([lambda: SlowCartPole(0.02)] * 2, num_workers=2)
+    runner = PolicyRunner(envs, linear_policy(4, 2, seed=0), seed=0, prefetch=3)
+    runner.rollout(5)  # 3 more rollouts of 100 ms each are queued per worker... then 200 steps more:
+    runner._refill(range(2), 5, runner.head)
+    started = time.monotonic()
+    envs.close()
+    assert time.monotonic() - started < 2.0, "workers must abandon queued rollouts on CLOSE"
+
+
+def test_a_worker_killed_mid_prefetch_raises_by_default():
+    envs = ClusterEnv([lambda: SlowCartPole(0.01)] * 4, num_workers=2)
+    try:
+        runner = PolicyRunner(envs, linear_policy(4, 2, seed=0), seed=0, prefetch=1)
+        runner.rollout(10)
+        os.kill(envs.worker_info[1]["pid"], signal.SIGKILL)
+        with pytest.raises(WorkerLostError, match="envs 2..3"):
+            for _ in range(5):
+                runner.rollout(10)
+        assert envs.closed
+    finally:
+        envs.close()
+
+
+def test_a_worker_killed_mid_prefetch_is_replaced_under_restart():
+    envs = ClusterEnv([lambda: SlowCartPole(0.01)] * 4, num_workers=2, on_worker_failure="restart")
+    try:
+        runner = PolicyRunner(envs, linear_policy(4, 2, seed=0), seed=0, prefetch=1)
+        runner.rollout(10)
+        os.kill(envs.worker_info[1]["pid"], signal.SIGKILL)
+        batches = [runner.rollout(10) for _ in range(4)]
+        flagged = [b.infos[0].get("worker_restarted") for b in batches if "worker_restarted" in b.infos[0]]
+        assert len(flagged) == 1 and flagged[0].tolist() == [False, False, True, True]
+        assert all(b.num_envs == 4 and b.obs.shape == (10, 4, 4) for b in batches)
+        runner.stop()
+    finally:
+        envs.close()
