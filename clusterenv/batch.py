@@ -83,7 +83,7 @@ class RolloutBatch:
         return {
             f.name: torch.as_tensor(getattr(self, f.name), device=device)
             for f in fields(self)
-            if isinstance(getattr(self, f.name), np.ndarray)
+            if isinstance(getattr(self, f.name), np.ndarray) and f.name != "env_ids"
         }
 
     def episodes(self) -> list[tuple[int, int, float, int]]:

@@ -35,7 +35,7 @@ from clusterenv.transport import SECRET_ENV_VAR, Channel, new_identity, resolve_
 from clusterenv.worker_policy import RolloutAborted
 from clusterenv.worker_policy import install as install_policy_handlers
 
-__all__ = ["Worker", "main", "serve"]
+__all__ = ["Mailbox", "Worker", "main", "serve"]
 
 logger = logging.getLogger(__name__)
 

@@ -204,9 +204,9 @@ def test_acting_versions_and_telemetry_per_strategy(cartpole, strategy, versions
 
 # -- bad input -----------------------------------------------------------------------------
 def test_a_policy_with_the_wrong_number_of_outputs_is_refused(cartpole):
-    with pytest.raises(PolicyError, match=re.escape("floating outputs of shape (2, 2)")) as info:
+    with pytest.raises(PolicyError, match=re.escape("Categorical head needs 2 outputs per observation")) as info:
         PolicyRunner(cartpole, linear_policy(4, 3, seed=0))
-    assert "got shape (2, 3)" in str(info.value)
+    assert "but the policy outputs 3" in str(info.value)
     with pytest.raises(PolicyError, match=re.escape("got shape (2,)")):
         PolicyRunner(cartpole, FlatOutputPolicy(4))
     with pytest.raises(PolicyError, match=re.escape("raised RuntimeError on a batch of observations of shape (2, 4)")):
@@ -233,7 +233,8 @@ def test_other_bad_policy_arguments(cartpole):
 
 def test_envs_the_local_policies_cannot_drive_are_refused():
     with ClusterEnv([functools.partial(gym.make, "Pendulum-v1")], num_workers=1) as envs:
-        with pytest.raises(PolicyError, match="need a Discrete action space"):
+        # Box actions take a Gaussian head: means then log-stds, 2 outputs for Pendulum's one action.
+        with pytest.raises(PolicyError, match=re.escape("Gaussian head needs 2 outputs per observation")):
             PolicyRunner(envs, torch.nn.Linear(3, 1))
     with ClusterEnv([CARTPOLE], num_workers=1, autoreset_mode="Disabled") as envs:
         with pytest.raises(PolicyError, match="not DISABLED"):
