@@ -7,6 +7,7 @@ import logging
 import os
 import pickle
 import socket as pysocket
+import time
 from collections.abc import Callable, Iterator, Sequence
 from copy import deepcopy
 from typing import Any
@@ -19,13 +20,15 @@ from gymnasium.vector.async_vector_env import AsyncState
 from gymnasium.vector.utils import batch_differing_spaces, batch_space, concatenate, create_empty_array, iterate
 
 from clusterenv import shared_obs
-from clusterenv.batching import is_array_tree, leaf_arrays, leaf_specs, replay_infos
+from clusterenv.batching import is_array_tree, leaf_arrays, leaf_specs, replay_infos, unflatten
+from clusterenv.errors import WorkerTimeoutError
 from clusterenv.launch import Launcher
 from clusterenv.liveness import Heartbeat
 from clusterenv.pool import WorkerPool, weak_callback
 from clusterenv.protocol import Kind, Message
 from clusterenv.validation import (
     check_actions,
+    check_batch_size,
     check_env_fns,
     check_num_workers,
     check_reset_mask,
@@ -42,6 +45,14 @@ logger = logging.getLogger(__name__)
 _CLOSE_GRACE_S = 5.0
 #: The info key (with its ``_`` mask) flagging envs whose episode a worker restart cut short.
 WORKER_RESTARTED_KEY = "worker_restarted"
+
+
+def _rows(leaf: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``leaf[rows]``, as a view when the rows are consecutive (the usual case: env_ids as recv() gave them)."""
+    start = int(rows[0])
+    if rows[-1] - start == len(rows) - 1 and (np.diff(rows) == 1).all():
+        return leaf[start : start + len(rows)]
+    return leaf[rows]
 
 
 def _default_num_workers(num_envs: int) -> int:
@@ -83,6 +94,7 @@ class ClusterEnv(VectorEnv):
         launcher: Launcher | str | None = None,
         on_worker_failure: str = "raise",
         heartbeat: Heartbeat | None = None,
+        batch_size: int | None = None,
     ) -> None:
         """Start the workers and build the envs in them.
 
@@ -105,6 +117,9 @@ class ClusterEnv(VectorEnv):
                 are rebuilt and report the interrupted episode as truncated, with
                 ``infos["worker_restarted"]`` set (exact semantics in docs/cluster.md).
             heartbeat: heartbeat constants; a worker silent for ``interval * liveness`` seconds is lost.
+            batch_size: how many envs :meth:`recv` returns (default ``num_envs``): those of the
+                ``batch_size // envs_per_worker`` workers that are ready first. Needs equal slices
+                (``num_envs`` a multiple of ``num_workers``) and a multiple of the envs per worker.
         """
         super().__init__()
         self._state = AsyncState.DEFAULT
@@ -134,6 +149,13 @@ class ClusterEnv(VectorEnv):
 
         bounds = np.linspace(0, self.num_envs, num_workers + 1).round().astype(int)
         self._slices = [slice(int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+        self.batch_size = check_batch_size(batch_size, self.num_envs, num_workers)
+        self._workers_per_batch = num_workers * self.batch_size // self.num_envs  # exact: whole workers
+        # First-ready batches: which workers are stepping (and what), which replied and wait for recv().
+        self._in_flight: dict[int, str] = {}
+        self._arrived: list[tuple[int, str, Message]] = []
+        self._action_spaces: dict[int, Any] = {}
+        self._observation_mode = observation_mode
 
         self._pool = WorkerPool(
             num_workers,
@@ -163,6 +185,8 @@ class ClusterEnv(VectorEnv):
         self._terminations = np.zeros((self.num_envs,), dtype=np.bool_)
         self._truncations = np.zeros((self.num_envs,), dtype=np.bool_)
         self._action_specs = leaf_specs(self.single_action_space) if is_array_tree(self.single_action_space) else None
+        self._env_worker = np.repeat(np.arange(num_workers), [sl.stop - sl.start for sl in self._slices])
+        self._pool.restart_hooks.append(weak_callback(self._reset_replacement_in_flight))
 
     # -- the seam for extensions (PolicyRunner) ---------------------------------------------
     @property
@@ -263,6 +287,12 @@ class ClusterEnv(VectorEnv):
 
     def _begin(self, state: AsyncState) -> None:
         self._assert_is_running()
+        if self._in_flight or self._arrived:
+            raise AlreadyPendingCallError(
+                f"Calling `{state.value}` while {len(self._in_flight) + len(self._arrived)} workers' envs are in "
+                "flight from async_reset()/send(): recv() them all first.",
+                "step",
+            )
         if self._state != AsyncState.DEFAULT:
             if self._holder is not None:
                 raise AlreadyPendingCallError(
@@ -421,6 +451,157 @@ class ClusterEnv(VectorEnv):
         if type(self._observations) is np.ndarray and self._observations.dtype != object:
             return self._observations.copy()  # what deepcopy does for a numeric array, without its memo bookkeeping
         return deepcopy(self._observations)
+
+    # -- first-ready batches (EnvPool's async_reset / send / recv) --------------------------
+    def async_reset(self, seed: int | list[int | None] | None = None, options: dict[str, Any] | None = None) -> None:
+        """Reset every env without waiting; :meth:`recv` returns them ``batch_size`` at a time, first ready first.
+
+        Each env's trajectory is exactly that of the same env stepped alone with its seed
+        (``seed + i`` for env ``i``) and the actions :meth:`send` gives it.
+        """
+        if self.autoreset_mode is AutoresetMode.DISABLED:
+            raise ValueError(
+                "async_reset/send/recv need an autoreset mode (NEXT_STEP or SAME_STEP): under DISABLED an "
+                "env that ended can only be reset with reset(options={'reset_mask': ...}), which waits for all envs."
+            )
+        if options is not None and "reset_mask" in options:
+            raise ValueError("async_reset() resets every env; `options['reset_mask']` is for reset().")
+        self._check_first_ready()
+        self.reset_async(seed=seed, options=options)
+        self._state, self._needs_reset = AsyncState.WAITING_STEP, False
+        self._in_flight = dict.fromkeys(self._pending, "reset")
+
+    def send(self, actions: Any, env_ids: Any) -> None:
+        """Step the envs ``env_ids`` (whole workers, as :meth:`recv` returned them) with ``actions``, without waiting.
+
+        ``actions[j]`` is the action of env ``env_ids[j]``.
+        """
+        self._assert_is_running()
+        self._check_first_ready()
+        if self._needs_reset:
+            raise ResetNeeded("Cannot call `send` before a reset: call async_reset() (or reset()) first.")
+        if self._action_specs is None:
+            raise TypeError(f"Action space {self.single_action_space} has no fixed array form; it is not supported.")
+        env_ids = np.asarray(env_ids)
+        if env_ids.ndim != 1 or env_ids.dtype.kind not in "iu" or not len(env_ids):
+            raise ValueError(f"`env_ids` must be a non-empty 1-d array of env indices, got {env_ids!r}.")
+        if env_ids.min() < 0 or env_ids.max() >= self.num_envs or len(np.unique(env_ids)) != len(env_ids):
+            raise ValueError(f"`env_ids` must be distinct indices in [0, {self.num_envs}), got {env_ids.tolist()}.")
+        position = np.full(self.num_envs, -1)
+        position[env_ids] = np.arange(len(env_ids))
+        workers = np.unique(self._env_worker[env_ids]).tolist()
+        busy = sorted(set(workers) & ({*self._in_flight} | {w for w, _, _ in self._arrived}))
+        if busy:
+            raise ValueError(
+                f"`env_ids` include envs of workers {busy} whose last results recv() has not returned yet: "
+                "send() takes the envs that recv() returned."
+            )
+        rows = [position[self._slices[w]] for w in workers]
+        partial = [w for w, r in zip(workers, rows, strict=True) if (r < 0).any()]
+        if partial:
+            sl = self._slices[partial[0]]
+            raise ValueError(
+                f"`env_ids` must hold whole workers' envs, as recv() returns them: worker {partial[0]} steps "
+                f"envs {sl.start}..{sl.stop - 1}, but only some of them were given."
+            )
+        space = self._action_space_for(len(env_ids))
+        leaves = check_actions(actions, space, self._action_specs, len(env_ids))
+        if not (self._in_flight or self._arrived):
+            self._begin(AsyncState.WAITING_STEP)
+            self._state = AsyncState.WAITING_STEP
+        for w, r in zip(workers, rows, strict=True):
+            self._pool.send(w, Kind.STEP, arrays=[_rows(leaf, r) for leaf in leaves], blobs=())
+            self._in_flight[w] = "step"
+
+    def recv(
+        self, timeout: float | None = None
+    ) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any], np.ndarray]:
+        """The results of the first ``batch_size`` envs to be ready: ``(obs, rewards, terminations, truncations, infos, env_ids)``.
+
+        That is the envs of the first ``batch_size // envs_per_worker`` workers to reply, in the
+        order they replied; row ``j`` is env ``env_ids[j]``, and infos are batched over the rows.
+        After :meth:`async_reset`, rewards are 0 and terminations and truncations False.
+        A ``timeout`` (default: the env's) raises ``WorkerTimeoutError``; the envs stay in flight.
+        """
+        self._assert_is_running()
+        needed = self._workers_per_batch
+        if len(self._in_flight) + len(self._arrived) < needed:
+            waiting = sum(
+                self._slices[w].stop - self._slices[w].start for w in [*self._in_flight, *(a[0] for a in self._arrived)]
+            )
+            raise NoAsyncCallError(
+                f"recv() returns batch_size={self.batch_size} envs, but only {waiting} are in flight: send() "
+                "actions for more envs first.",
+                "step",
+            )
+        timeout = self.timeout if timeout is None else timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while len(self._arrived) < needed:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            received = self._pool.receive("stepping", remaining)
+            if received is None:
+                raise WorkerTimeoutError(
+                    f"recv() waited {timeout} s for {needed - len(self._arrived)} more workers' envs; workers "
+                    f"{sorted(self._in_flight)} are still stepping. Their envs stay in flight: call recv() again."
+                )
+            w, msg = received
+            if w in self._in_flight:
+                self._arrived.append((w, self._in_flight.pop(w), msg))
+        ready, self._arrived = self._arrived[:needed], self._arrived[needed:]
+        if not (self._in_flight or self._arrived):
+            self._state = AsyncState.DEFAULT
+        return self._first_ready_batch(ready)
+
+    def _first_ready_batch(
+        self, ready: list[tuple[int, str, Message]]
+    ) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any], np.ndarray]:
+        env_ids = np.concatenate([np.arange(self._slices[w].start, self._slices[w].stop) for w, _, _ in ready])
+        n = len(env_ids)
+        rewards, terminations, truncations = np.zeros(n), np.zeros(n, np.bool_), np.zeros(n, np.bool_)
+        infos: dict[str, Any] = {}
+        offset = 0
+        for w, what, msg in ready:
+            sl = self._slices[w]
+            rows = slice(offset, offset + sl.stop - sl.start)
+            self._write_slice(sl, msg, n_extra=3 if what == "step" else 0)
+            if what == "step":
+                rewards[rows], terminations[rows], truncations[rows] = msg.arrays[-3:]
+            records = pickle.loads(msg.blobs[0]) if msg.blobs[0] else []
+            if what == "restarted":  # a replacement's fresh envs: the cut episodes end here
+                truncations[rows] = True
+                extra = dict(records)
+                records = [(i, {**extra.get(i, {}), WORKER_RESTARTED_KEY: True}) for i in range(rows.stop - rows.start)]
+            infos = replay_infos(infos, records, n, offset)
+            offset = rows.stop
+        if self._array_obs:
+            obs = self._observations[env_ids] if type(self._observations) is np.ndarray else None
+            if obs is None:
+                obs = unflatten(self.single_observation_space, [leaf[env_ids] for leaf in self._obs_leaves])
+        else:
+            obs = concatenate(self.single_observation_space, [self._env_obs[i] for i in env_ids], self._batch_obs(n))
+        return obs, rewards, terminations, truncations, infos, env_ids
+
+    def _reset_replacement_in_flight(self, worker_id: int) -> None:
+        """A restart hook: a replacement for a worker lost mid-``send`` is reset, and recv() reports the cut episodes."""
+        if worker_id in self._in_flight:
+            sl = self._slices[worker_id]
+            self._pool.send(worker_id, Kind.RESET, {"seeds": [None] * (sl.stop - sl.start), "mask": None})
+            self._in_flight[worker_id] = "restarted"
+
+    def _check_first_ready(self) -> None:
+        if self._observation_mode != "same":
+            raise ValueError(
+                "async_reset/send/recv batch any subset of envs, so they need observation_mode='same' "
+                "(one observation space for all envs)."
+            )
+
+    def _action_space_for(self, n: int) -> Any:
+        if n not in self._action_spaces:
+            self._action_spaces[n] = batch_space(self.single_action_space, n)
+        return self._action_spaces[n]
+
+    def _batch_obs(self, n: int) -> Any:
+        return create_empty_array(self.single_observation_space, n=n, fn=np.zeros)
 
     # -- attributes ------------------------------------------------------------------------
     def call_async(self, name: str, *args: Any, **kwargs: Any) -> None:

@@ -17,6 +17,7 @@ from clusterenv.batching import leaf_arrays
 
 __all__ = [
     "check_actions",
+    "check_batch_size",
     "check_env_fns",
     "check_num_workers",
     "check_reset_mask",
@@ -76,6 +77,31 @@ def pickle_argument(value: Any, what: str) -> bytes:
         return cloudpickle.dumps(value)
     except Exception as exc:
         raise TypeError(f"The {what} cannot be pickled to send to workers: {exc}") from exc
+
+
+def check_batch_size(batch_size: Any, num_envs: int, num_workers: int) -> int:
+    """``batch_size`` for first-ready ``recv()``: whole workers' slices, so equal slices and a multiple of one."""
+    if batch_size is None:
+        return num_envs
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
+        raise TypeError(f"`batch_size` must be an int or None, got {type(batch_size).__name__}.")
+    batch_size = int(batch_size)
+    if not 1 <= batch_size <= num_envs:
+        raise ValueError(f"`batch_size` must be between 1 and num_envs={num_envs}, got {batch_size}.")
+    if batch_size == num_envs:
+        return batch_size
+    if num_envs % num_workers:
+        raise ValueError(
+            f"batch_size={batch_size} < num_envs needs the same number of envs on every worker, so that recv() "
+            f"can return whole workers; {num_envs} envs do not split evenly over num_workers={num_workers}."
+        )
+    per_worker = num_envs // num_workers
+    if batch_size % per_worker:
+        raise ValueError(
+            f"`batch_size` must be a multiple of the envs per worker ({per_worker}: {num_envs} envs over "
+            f"{num_workers} workers), so that recv() returns whole workers; got {batch_size}."
+        )
+    return batch_size
 
 
 def check_seeds(seed: Any, num_envs: int) -> list[int | None]:

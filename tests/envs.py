@@ -198,3 +198,18 @@ class SlowCartPole(gym.Wrapper):
     def step(self, action):
         time.sleep(self.delay)
         return self.env.step(action)
+
+
+class JitteryRichEnv(RichSpacesEnv):
+    """``RichSpacesEnv`` whose steps take 0-4 ms at random, so that workers reply in a varying order.
+
+    The jitter comes from its own unseeded generator: the env's seeded results do not depend on it.
+    """
+
+    def __init__(self, action_kind: str = "discrete") -> None:
+        super().__init__(action_kind)
+        self._jitter = np.random.default_rng()
+
+    def step(self, action):
+        time.sleep(float(self._jitter.uniform(0.0, 0.004)))
+        return super().step(action)
