@@ -16,7 +16,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-__all__ = ["BurnEnv", "make_atari"]
+__all__ = ["BurnEnv", "SleepEnv", "make_atari"]
 
 
 class BurnEnv(gym.Env):
@@ -43,6 +43,31 @@ class BurnEnv(gym.Env):
         self._t += 1
         obs = self.np_random.uniform(-1.0, 1.0, size=4).astype(np.float32)
         return obs, float(action), self._t >= self.episode_steps, False, {}
+
+
+class SleepEnv(gym.Env):
+    """A step that waits ``step_ms`` without using CPU, like a remote simulator or an env on another host."""
+
+    metadata: dict[str, Any] = {"render_modes": []}
+
+    def __init__(self, step_ms: float = 20.0, jitter_sigma: float = 0.0) -> None:
+        self.step_s = step_ms / 1000.0
+        self.jitter_sigma = jitter_sigma  # lognormal: a few steps take several times the mean (stragglers)
+        self._jitter = np.random.default_rng()  # unseeded: timing must not change the env's results
+        self.observation_space = gym.spaces.Box(-1.0, 1.0, shape=(4,), dtype=np.float32)
+        self.action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict]:
+        super().reset(seed=seed)
+        return np.zeros(4, dtype=np.float32), {}
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict]:
+        delay = self.step_s
+        if self.jitter_sigma:
+            sigma = self.jitter_sigma  # mean-preserving: E[lognormal(mu, sigma)] = step_s
+            delay = float(self._jitter.lognormal(np.log(self.step_s) - sigma**2 / 2, sigma))
+        time.sleep(delay)
+        return np.zeros(4, dtype=np.float32), 1.0, False, False, {}
 
 
 def make_atari(env_id: str, **kwargs: Any) -> gym.Env:

@@ -32,11 +32,23 @@ def _import_ray() -> Any:
     return ray
 
 
+def _nodes_on_other_hosts(ray: Any) -> set[str]:
+    """Addresses of live Ray nodes that are not this host (several nodes of one host share its address)."""
+    here = {ray.util.get_node_ip_address(), "127.0.0.1", "localhost"}
+    nodes = [node for node in ray.nodes() if node.get("Alive")]
+    return {str(node.get("NodeManagerAddress")) for node in nodes} - here
+
+
 class _WorkerActor:
     """The actor body: one clusterenv worker per actor process."""
 
     def pid(self) -> int:
         return os.getpid()
+
+    def node_id(self) -> str:
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
 
     def serve(self, address: str, worker_id: int, key: bytes) -> int:
         from clusterenv.worker import serve
@@ -85,6 +97,7 @@ class RayLauncher:
         self._owns_ray = False
         self._actors: dict[int, Any] = {}
         self._runs: dict[int, Any] = {}
+        self._nodes: dict[int, Any] = {}
 
     def _ray(self) -> Any:
         ray = _import_ray()
@@ -96,17 +109,20 @@ class RayLauncher:
     def start(self, worker_ids: list[int], address: str, key: bytes) -> None:
         """Create one actor per id and start its serve loop."""
         ray = self._ray()
-        nodes = [node for node in ray.nodes() if node.get("Alive")]
-        if len(nodes) > 1 and (is_loopback(address) or address.startswith("ipc://")):
-            raise WorkerStartError(
-                f"The Ray cluster has {len(nodes)} nodes but the learner listens on {address}, which only "
-                "this host can reach. Pass `bind='tcp://<an address of this host>:<port>'` and a `secret`."
-            )
+        if is_loopback(address) or address.startswith("ipc://"):
+            remote = _nodes_on_other_hosts(ray)
+            if remote:
+                raise WorkerStartError(
+                    f"The Ray cluster has nodes on other hosts ({', '.join(sorted(remote))}) but the learner "
+                    f"listens on {address}, which only this host can reach. Pass "
+                    "`bind='tcp://<an address of this host>:<port>'` and a `secret`."
+                )
         actor_class = ray.remote(_WorkerActor)
         for worker_id in worker_ids:
             self.kill(worker_id)
             actor = actor_class.options(name=None, **self.options).remote()
             self._actors[worker_id] = actor
+            self._nodes[worker_id] = actor.node_id.remote()  # asked first: the actor is busy serving after
             self._runs[worker_id] = actor.serve.remote(address, worker_id, key)
 
     def exit_code(self, worker_id: int) -> int | None:
@@ -125,6 +141,11 @@ class RayLauncher:
         except Exception:
             return 1
 
+    def node_id(self, worker_id: int, timeout: float = 30.0) -> str:
+        """The Ray node that worker ``worker_id``'s actor runs on (for tests and diagnostics)."""
+        ray = _import_ray()
+        return str(ray.get(self._nodes[worker_id], timeout=timeout))
+
     def describe(self, worker_id: int) -> str:
         """``Ray worker 3 (actor 1a2b3c4d)``."""
         actor = self._actors.get(worker_id)
@@ -140,6 +161,7 @@ class RayLauncher:
         """Kill the worker's actor (its process ends; Ray does not restart it)."""
         actor = self._actors.pop(worker_id, None)
         self._runs.pop(worker_id, None)
+        self._nodes.pop(worker_id, None)
         if actor is not None:
             _import_ray().kill(actor, no_restart=True)
 
