@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 from contextlib import closing
 
 import pytest
@@ -18,30 +17,31 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def three_nodes():
-    """A head and two more nodes, one CPU each, so that three one-CPU workers land one per node."""
+    """A head and two more nodes, two CPUs each: room for a replacement when a node goes."""
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 1, "include_dashboard": False},
+        head_node_args={"num_cpus": 2, "include_dashboard": False},
     )
     for _ in range(2):
-        cluster.add_node(num_cpus=1)
+        cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
-    yield ray
+    yield ray, cluster
     spawned = descendants(os.getpid())
     ray.shutdown()
     cluster.shutdown()
     assert wait_until(lambda: not any(pid_alive(pid) for pid in spawned), timeout=30), "Ray processes outlived shutdown"
 
 
-def test_workers_on_three_nodes_step_exactly_and_a_lost_node_worker_is_replaced(three_nodes):
+def test_workers_spread_over_three_nodes_step_exactly_and_survive_losing_a_node(three_nodes):
     from clusterenv.ray_launcher import RayLauncher
 
-    assert len([node for node in three_nodes.nodes() if node["Alive"]]) == 3
-    launcher = RayLauncher(num_cpus_per_worker=1)
+    ray, cluster = three_nodes
+    assert len([node for node in ray.nodes() if node["Alive"]]) == 3
+    launcher = RayLauncher(num_cpus_per_worker=1)  # SPREAD scheduling: one worker per node
     fns = ENV_FNS + ENV_FNS[:2]  # 6 envs, 2 per worker
     with (
         ClusterEnv(fns, num_workers=3, launcher=launcher, on_worker_failure="restart", heartbeat=FAST) as envs,
@@ -51,9 +51,16 @@ def test_workers_on_three_nodes_step_exactly_and_a_lost_node_worker_is_replaced(
         assert len(set(nodes)) == 3, f"workers were not spread over the nodes: {nodes}"
         run_lockstep(envs, reference, steps=20)
 
-        os.kill(envs.worker_info[2]["pid"], signal.SIGKILL)
-        *_, truncations, infos = envs.step(reference.action_space.sample())
-        assert truncations[4:].all() and infos["worker_restarted"].tolist() == [False] * 4 + [True] * 2
-        # The replacement needs a free CPU: the lost worker's node is the only one with one.
-        assert launcher.node_id(2) == nodes[2]
-        envs.step(reference.action_space.sample())
+        # Take away a whole node (not the head, which holds Ray's own services).
+        head = cluster.head_node.node_id
+        lost = next(w for w in range(3) if nodes[w] != head)
+        cluster.remove_node(next(node for node in cluster.list_all_nodes() if node.node_id == nodes[lost]))
+        rows = [lost * 2, lost * 2 + 1]
+        for _ in range(3):  # the loss is noticed within a few steps (heartbeats, or the actor's death)
+            *_, truncations, infos = envs.step(reference.action_space.sample())
+            if "worker_restarted" in infos:
+                break
+        assert infos["worker_restarted"].nonzero()[0].tolist() == rows and truncations[rows].all()
+        assert launcher.node_id(lost) in set(nodes) - {nodes[lost]}, "the replacement runs on a surviving node"
+        for _ in range(5):
+            envs.step(reference.action_space.sample())
