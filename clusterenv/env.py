@@ -50,7 +50,7 @@ WORKER_RESTARTED_KEY = "worker_restarted"
 def _rows(leaf: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """``leaf[rows]``, as a view when the rows are consecutive (the usual case: env_ids as recv() gave them)."""
     start = int(rows[0])
-    if rows[-1] - start == len(rows) - 1 and (np.diff(rows) == 1).all():
+    if len(rows) == 1 or (rows[-1] - start == len(rows) - 1 and (len(rows) == 2 or (np.diff(rows) == 1).all())):
         return leaf[start : start + len(rows)]
     return leaf[rows]
 
