@@ -5,7 +5,7 @@ without using CPU, like a remote simulator, so the ideal is ``num_envs / step ti
 what is lost is lost to waiting and to the learner. Modes, on the same workers, alternated:
 
 * ``lockstep``: ``envs.step`` (every step waits for the slowest worker);
-* ``first-ready``: ``recv``/``send`` with ``batch_size`` = half the envs;
+* ``first-ready 1/2``, ``1/4``: ``recv``/``send`` with ``batch_size`` = that fraction of the envs;
 * ``rollout``: ``PolicyRunner.rollout`` (local policies, lockstep per rollout);
 * ``prefetch``: ``PolicyRunner(prefetch=1).rollout`` (workers collect ahead).
 
@@ -48,8 +48,9 @@ from clusterenv import ClusterEnv, Never, PolicyRunner  # noqa: E402
 from clusterenv.launch import LocalLauncher  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-STEP_MODES = ("lockstep", "first-ready")
+STEP_MODES = ("lockstep", "first-ready 1/2", "first-ready 1/4")
 ROLLOUT_MODES = ("rollout", "prefetch")
+FRACTIONS = {"first-ready 1/2": 0.5, "first-ready 1/4": 0.25}
 
 
 @dataclasses.dataclass
@@ -174,7 +175,8 @@ def measure(envs: ClusterEnv, mode: str, args: Args) -> tuple[float, float]:
             envs.step(actions)
             return n
 
-    elif mode == "first-ready":
+    elif mode.startswith("first-ready"):
+        envs.batch_size = max(1, round(n * FRACTIONS[mode]))
         envs.async_reset(seed=0)
         for _ in range(n // envs.batch_size):
             *_, env_ids = envs.recv()  # the reset observations
@@ -203,7 +205,7 @@ def measure(envs: ClusterEnv, mode: str, args: Args) -> tuple[float, float]:
     finally:
         if runner is not None:
             runner.stop()
-        if mode == "first-ready":
+        if mode.startswith("first-ready"):
             while True:
                 try:
                     envs.recv()
@@ -215,7 +217,7 @@ def measure(envs: ClusterEnv, mode: str, args: Args) -> tuple[float, float]:
 def cluster(workers: int, envs_per_worker: int, args: Args, **kwargs: Any) -> ClusterEnv:
     n = workers * envs_per_worker
     env_fn = functools.partial(SleepEnv, args.step_ms)
-    return ClusterEnv([env_fn] * n, num_workers=workers, batch_size=n // 2, start_timeout=600, **kwargs)
+    return ClusterEnv([env_fn] * n, num_workers=workers, start_timeout=600, **kwargs)
 
 
 def scaling(args: Args, cells: dict[str, list[list[float]]]) -> None:
@@ -237,6 +239,26 @@ def rtt(args: Args, cells: dict[str, list[list[float]]]) -> None:
                 cells.setdefault(f"rtt:{rtt_ms}:{mode}", []).append(list(measure(envs, mode, args)))
 
 
+def k_of_n_bound(n: int, k: int, sigma: float, rounds: int = 20000) -> float:
+    """The fraction of ideal that first-ready batches of ``k`` of ``n`` workers reach with a free learner.
+
+    A discrete-event simulation: workers step (lognormal times, mean 1), the learner takes the
+    first ``k`` to finish and restarts them at once. Waiting for the k-th finisher is the loss.
+    """
+    rng = np.random.default_rng(0)
+
+    def step_time() -> float:
+        return float(rng.lognormal(-(sigma**2) / 2, sigma)) if sigma else 1.0
+
+    finish = sorted(step_time() for _ in range(n))
+    now, done = 0.0, 0
+    for _ in range(rounds):
+        now = max(now, finish[k - 1])
+        finish = sorted(finish[k:] + [now + step_time() for _ in range(k)])
+        done += k
+    return done / now / n
+
+
 def median(cells: dict[str, list[list[float]]], key: str, i: int) -> float:
     return statistics.median(run[i] for run in cells[key])
 
@@ -249,7 +271,8 @@ def report(args: Args, cells: dict[str, list[list[float]]]) -> str:
         f"(modes alternated on the same workers); rollouts of T={args.rollout_steps}; first-ready batch = half "
         f"the envs; {os.cpu_count()} cores, Python {platform.python_version()}.",
         "",
-        "Fraction of the ideal env-steps/s (envs / mean step time), one env per worker:",
+        "Fraction of the ideal env-steps/s (envs / mean step time), one env per worker. The k-of-n bound is what "
+        "first-ready batches reach with stragglers and a learner that costs nothing (a simulation, in this file):",
         "",
         "| workers | σ | " + " | ".join(modes) + " |",
         "|---|---|" + "---|" * len(modes),
@@ -262,6 +285,14 @@ def report(args: Args, cells: dict[str, list[list[float]]]) -> str:
                 for m in modes
             ]
             lines.append(f"| {workers} | {sigma:g} | " + " | ".join(row) + " |")
+            if sigma:
+                bounds = [
+                    f"≤{k_of_n_bound(workers, max(1, round(workers * FRACTIONS[m])), sigma):.2f}"
+                    if m in FRACTIONS
+                    else ""
+                    for m in modes
+                ]
+                lines.append("| | k-of-n bound | " + " | ".join(bounds) + " |")
     lines += [
         "",
         "Learner CPU per batch step (one step of every env), σ = 0:",

@@ -149,8 +149,7 @@ class ClusterEnv(VectorEnv):
 
         bounds = np.linspace(0, self.num_envs, num_workers + 1).round().astype(int)
         self._slices = [slice(int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
-        self.batch_size = check_batch_size(batch_size, self.num_envs, num_workers)
-        self._workers_per_batch = num_workers * self.batch_size // self.num_envs  # exact: whole workers
+        self._batch_size = check_batch_size(batch_size, self.num_envs, num_workers)
         # First-ready batches: which workers are stepping (and what), which replied and wait for recv().
         self._in_flight: dict[int, str] = {}
         self._arrived: list[tuple[int, str, Message]] = []
@@ -187,6 +186,19 @@ class ClusterEnv(VectorEnv):
         self._action_specs = leaf_specs(self.single_action_space) if is_array_tree(self.single_action_space) else None
         self._env_worker = np.repeat(np.arange(num_workers), [sl.stop - sl.start for sl in self._slices])
         self._pool.restart_hooks.append(weak_callback(self._reset_replacement_in_flight))
+
+    @property
+    def batch_size(self) -> int:
+        """How many envs :meth:`recv` returns; may be changed while no env is in flight."""
+        return self._batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: int) -> None:
+        if self._in_flight or self._arrived:
+            raise AlreadyPendingCallError(
+                "Cannot change `batch_size` while envs are in flight: recv() them first.", "step"
+            )
+        self._batch_size = check_batch_size(value, self.num_envs, self.num_workers)
 
     # -- the seam for extensions (PolicyRunner) ---------------------------------------------
     @property
@@ -524,7 +536,7 @@ class ClusterEnv(VectorEnv):
         A ``timeout`` (default: the env's) raises ``WorkerTimeoutError``; the envs stay in flight.
         """
         self._assert_is_running()
-        needed = self._workers_per_batch
+        needed = self.num_workers * self._batch_size // self.num_envs  # exact: whole workers
         if len(self._in_flight) + len(self._arrived) < needed:
             waiting = sum(
                 self._slices[w].stop - self._slices[w].start for w in [*self._in_flight, *(a[0] for a in self._arrived)]

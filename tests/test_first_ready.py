@@ -130,11 +130,18 @@ def test_gymnasium_calls_wait_until_every_env_is_back_and_then_work_again():
             envs.send(np.zeros(1, dtype=np.int64), first[:1])
         with pytest.raises(ValueError, match=r"Actions must have shape \(2,\)"):
             envs.send(np.zeros(3, dtype=np.int64), first)
+        with pytest.raises(AlreadyPendingCallError, match="Cannot change `batch_size` while envs are in flight"):
+            envs.batch_size = 4
         envs.recv()
         with pytest.raises(NoAsyncCallError, match="only 0 are in flight"):
             envs.recv()
         obs, *_ = envs.step(np.zeros(4, dtype=np.int64))  # nothing in flight: Gymnasium's API again
         assert obs.shape == (4, 4)
+        with pytest.raises(ValueError, match="multiple of the envs per worker \\(2"):
+            envs.batch_size = 3
+        envs.batch_size = 4
+        envs.async_reset(seed=0)
+        assert len(envs.recv()[-1]) == 4
 
 
 def test_recv_timeout_leaves_the_envs_in_flight():
