@@ -102,14 +102,14 @@ def test_each_env_steps_exactly_as_it_would_alone(mode, batch_size):
 
 
 def test_recv_returns_the_workers_that_are_ready_first():
-    slow, fast = functools.partial(SlowCartPole, 0.5), functools.partial(SlowCartPole, 0.0)
+    slow, fast = functools.partial(SlowCartPole, 1.5), functools.partial(SlowCartPole, 0.0)
     with ClusterEnv([slow] * 2 + [fast] * 6, num_workers=4, batch_size=2) as envs:
         envs.async_reset(seed=0)
         for _ in range(4):
             _, _, _, _, _, env_ids = envs.recv()
             envs.send(np.zeros(2, dtype=np.int64), env_ids)
         firsts = [envs.recv()[-1].tolist() for _ in range(3)]
-        assert [0, 1] not in firsts, "worker 0 sleeps 0.5 s per step; the others are ready long before"
+        assert [0, 1] not in firsts, "worker 0 sleeps 1.5 s per step; the others are ready long before"
         for ids in firsts:
             envs.send(np.zeros(2, dtype=np.int64), ids)
         for _ in range(4):
