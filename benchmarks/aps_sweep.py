@@ -98,6 +98,8 @@ class Args:
     """with --ratio decoupled: truncation of the importance weight pi_learner / pi_behaviour"""
     probe_steps: int = 16
     """steps per worker whose observations the KL is measured on"""
+    prefetch: int = 0
+    """rollouts each worker collects ahead of the learner (PolicyRunner(prefetch=k)): real policy lag"""
     return_window: int = 20
     """episodes in the rolling mean return"""
     solved_return: float | None = None
@@ -196,7 +198,9 @@ def train(args, envs, spec, seed):
     agent = Agent(envs)
     optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
     envs.reset(seed=seed)
-    runner = PolicyRunner(envs, agent.actor, make_strategy(spec), seed=seed, probe_steps=args.probe_steps)
+    runner = PolicyRunner(
+        envs, agent.actor, make_strategy(spec), seed=seed, probe_steps=args.probe_steps, prefetch=args.prefetch
+    )
     batch_size = args.num_envs * args.num_steps
     num_iterations = args.total_timesteps // batch_size
     global_step, start = 0, time.time()
@@ -278,6 +282,7 @@ def train(args, envs, spec, seed):
                 "clipfrac": float(np.mean(clipfracs)),
             }
         )
+    runner.stop()  # hands back the prefetched rollouts (none without prefetch) and frees the envs
     telemetry = runner.telemetry
     total = telemetry.total
     final_from = args.total_timesteps * (1 - args.final_fraction)
@@ -319,12 +324,24 @@ def mean_spread(values):
     return f"{np.mean(values):.1f} ± {np.std(values):.1f}"
 
 
+def lag_histogram(runs):
+    """Percent of acting steps at lag 0, 1, 2 and 3 or more versions, over all runs."""
+    counts = np.zeros(4)
+    for r in runs:
+        for lag, count in r.get("lag_counts", {}).items():
+            counts[min(int(lag), 3)] += count
+    if not counts.sum():
+        return "n/a"
+    return " / ".join(f"{100 * c / counts.sum():.0f}" for c in counts)
+
+
 def write_report(args, results):
     lines = [
         "# APS sweep: PPO with local policies on clusterenv workers",
         "",
         f"{len({r['seed'] for r in results})} seeds x {args.total_timesteps} env steps per run, {args.num_envs} envs on "
-        f"{args.num_workers} workers, {args.num_steps} steps per rollout (one update per rollout), PPO ratio "
+        f"{args.num_workers} workers, {args.num_steps} steps per rollout (one update per rollout), "
+        f"{args.prefetch} rollouts prefetched per worker, PPO ratio "
         f"against the {args.ratio} policy, learning rate {args.learning_rate} annealed. "
         f"Final return: mean episodic training return over the last {args.final_fraction:.0%} of steps, "
         "mean ± std over seeds. Pulls and lag: per worker, mean over seeds. Bytes: all workers, weights pulled "
@@ -339,8 +356,8 @@ def write_report(args, results):
             "",
             f"| strategy | final return | steps to {rows[0].get('solved_return', 475.0):g} (solved seeds) | pulls/worker "
             "| pull reduction vs EveryUpdate "
-            "| weight MB (+ probe MB) | mean lag | mean KL |",
-            "|---|---|---|---|---|---|---|---|",
+            "| weight MB (+ probe MB) | mean lag | lag 0 / 1 / 2 / 3+ (% of steps) | mean KL |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for spec in args.strategies:
             runs = [r for r in rows if r["strategy"] == spec]
@@ -357,7 +374,7 @@ def write_report(args, results):
             lag = np.mean([r["mean_lag"] for r in runs])
             lines.append(
                 f"| {label(spec)} | {mean_spread([r['final_return'] for r in runs])} | {solved_text} | {pulls:.1f} "
-                f"| {reduction} | {weight_mb:.2f} (+ {probe_mb:.2f}) | {lag:.2f} | {kl_text} |"
+                f"| {reduction} | {weight_mb:.2f} (+ {probe_mb:.2f}) | {lag:.2f} | {lag_histogram(runs)} | {kl_text} |"
             )
         wall = sum(r["wall_s"] for r in rows)
         lines += ["", f"Training wall time for {env_id}: {wall / 60:.1f} min over {len(rows)} runs.", ""]

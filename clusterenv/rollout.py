@@ -215,6 +215,11 @@ class PolicyRunner:
         if self._stream is not None and self._stream.started:
             self._pump(0.0)
             for w in range(self.envs.num_workers):
+                if self.sync.pulls_every_version:
+                    # The worker would ask for it at once; sending it now saves the request's
+                    # round trip, which would wait for the learner's next rollout() call.
+                    self._send_weights(w)
+                    self._stream.pushed[w] = self._version
                 self._send_probe(w)
         return self._version
 
@@ -390,10 +395,9 @@ class PolicyRunner:
             w, msg = received
             timeout = 0.0  # after the first message, take only what has already arrived
             if msg.kind is Kind.WEIGHTS_REQUEST:
-                pool.send(w, Kind.SET_WEIGHTS, {"version": self._version, "prefetch": True}, self._weights)
-                record = self._telemetry.workers[w]
-                record.pulls += 1
-                record.weight_bytes += sum(a.nbytes for a in self._weights)
+                if int(msg.meta["version"]) < stream.pushed[w]:
+                    continue  # asked before a pushed version reached it: that push is the answer
+                self._send_weights(w)
             elif msg.kind is Kind.ROLLOUT_RESULT:
                 rollout_id = int(msg.meta["rollout_id"])
                 if stream.sent[w].pop(rollout_id, None) is None:
@@ -405,6 +409,13 @@ class PolicyRunner:
             else:
                 raise ProtocolError(f"Worker {w} sent {msg.kind.name} during a prefetched rollout.")
         return arrived
+
+    def _send_weights(self, worker_id: int) -> None:
+        """Send the latest version's weights to a prefetching worker (it acts with them from its next step)."""
+        self.envs.pool.send(worker_id, Kind.SET_WEIGHTS, {"version": self._version, "prefetch": True}, self._weights)
+        record = self._telemetry.workers[worker_id]
+        record.pulls += 1
+        record.weight_bytes += sum(a.nbytes for a in self._weights)
 
     def _send_probe(self, worker_id: int, rollout_id: int | None = None) -> None:
         """Send the latest version's outputs on the worker's latest probe states (prefetch mode)."""
@@ -525,6 +536,7 @@ class _Stream:
         self.sent: list[dict[int, dict[str, Any]]] = [{} for _ in range(num_workers)]
         self.results: list[dict[int, Message]] = [{} for _ in range(num_workers)]
         self.probe_id = [0] * num_workers
+        self.pushed = [-1] * num_workers  # the latest version pushed to each worker (EveryUpdate)
 
     def in_flight(self, worker_id: int) -> list[dict[str, Any]]:
         """The ROLLOUT commands of a worker whose results have not arrived, oldest first."""

@@ -62,6 +62,8 @@ class SyncStrategy:
     """
 
     needs_kl: ClassVar[bool] = False
+    #: Pulls every new version as soon as it hears of it: a prefetching learner pushes versions instead.
+    pulls_every_version: ClassVar[bool] = False
 
     def should_pull(self, *, local_version: int, learner_version: int, kl: float | None) -> bool:
         """Whether to pull, given the acting copy's version, the learner's, and the measured KL (None if unmeasured)."""
@@ -80,6 +82,8 @@ class Never(SyncStrategy):
 @dataclass(frozen=True)
 class EveryUpdate(SyncStrategy):
     """Pull whenever the learner has published a newer version: always on-policy, most traffic."""
+
+    pulls_every_version: ClassVar[bool] = True
 
     def should_pull(self, *, local_version: int, learner_version: int, kl: float | None) -> bool:
         """When the copy is behind."""

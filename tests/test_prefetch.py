@@ -12,7 +12,7 @@ import pytest
 from gymnasium.error import AlreadyPendingCallError
 from gymnasium.vector import SyncVectorEnv
 
-from clusterenv import ClusterEnv, EveryUpdate, Greedy, Never, PolicyError, PolicyRunner, WorkerLostError
+from clusterenv import ClusterEnv, EveryUpdate, FixedInterval, Greedy, Never, PolicyError, PolicyRunner, WorkerLostError
 from tests.envs import SlowCartPole
 from tests.policies import linear_policy, outputs
 
@@ -75,12 +75,21 @@ def test_lag_is_recorded_per_step_and_in_telemetry():
 
 
 @pytest.mark.parametrize("prefetch", [1, 2])
-def test_pulled_weights_act_from_the_next_step_and_versions_never_go_back(prefetch):
+def test_every_update_keeps_the_lag_within_the_prefetch_depth(prefetch):
     lags, _, telemetry = run_publishing(EveryUpdate(), prefetch=prefetch)
     assert (lags[0] == 0).all()  # acted with version 0, before any publish
-    # A pull is asked for without waiting and answered when the learner next reads its workers,
-    # so the lag is not bounded by the prefetch depth alone (see the README); it is never negative,
-    # and within a batch each env's acting version only moves forward.
+    # publish() pushes each version to EveryUpdate workers before the rollout commands that
+    # follow it, so batch k starts with at least version k - prefetch; a version pushed
+    # mid-batch acts from the next step on: versions never go back.
+    for k, lag in enumerate(lags):
+        versions = k - lag
+        assert ((0 <= lag) & (lag <= prefetch)).all(), (k, lag)
+        assert (np.diff(versions, axis=0) >= 0).all(), (k, versions)
+    assert all(record.pulls >= 1 for record in telemetry.workers)
+
+
+def test_a_pull_asked_without_waiting_is_answered_and_versions_never_go_back():
+    lags, _, telemetry = run_publishing(FixedInterval(1), prefetch=1)
     for k, lag in enumerate(lags):
         versions = k - lag
         assert (versions >= 0).all() and (np.diff(versions, axis=0) >= 0).all(), (k, versions)
