@@ -112,6 +112,8 @@ class ExternalLauncher:
     started the worker must start a new one, e.g. ``srun --kill-on-bad-exit=0`` in a loop).
     """
 
+    needs_shared_secret = True  # the workers are told the secret out of band: a random one cannot work
+
     def start(self, worker_ids: list[int], address: str, key: bytes) -> None:
         """Log the command that workers must run."""
         logger.info(

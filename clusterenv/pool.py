@@ -98,6 +98,12 @@ class WorkerPool:
         self.start_timeout = start_timeout
         self.describe_work = describe_work
         self.launcher: Launcher = resolve_launcher(launcher)
+        if key is None and getattr(self.launcher, "needs_shared_secret", False):
+            raise ValueError(
+                "Workers started by hand or by `srun` (launcher='external') must know the learner's secret, "
+                "and none was given: a random one would lock them all out. Pass `secret=` or set "
+                "$CLUSTERENV_SECRET, and give the workers the same value."
+            )
         if bind is None and getattr(self.launcher, "requires_tcp", False):
             bind = "tcp://127.0.0.1:*"  # workers connect from other processes that Ray starts, on this host
         self._context = zmq.Context()
@@ -379,9 +385,16 @@ class WorkerPool:
         if lost and (self.on_worker_failure == "raise" or self._recovering):
             raise self._lost(min(lost), doing)
         for w in sorted(lost):
+            if not self._restartable(w):
+                raise self._lost(w, doing)
             logger.warning("%s was lost while %s; replacing it.", self.launcher.describe(w), doing)
         self._failed |= lost
         return lost
+
+    def _restartable(self, worker_id: int) -> bool:
+        """Whether a replacement can take over: its envs were built once (a crash while building them would recur)."""
+        last = self._last_sent.get(worker_id)
+        return last is not None and last[0] is not Kind.INIT
 
     def _remote_error(self, worker_id: int, msg: Message, doing: str) -> RemoteEnvError:
         meta = msg.meta

@@ -147,3 +147,14 @@ def test_repeated_failures_leak_no_processes_or_descriptors():
             fail_and_recover(i % 2, signal.SIGSTOP if i % 3 == 2 else signal.SIGKILL)
         assert len(child_pids()) == len(children) == 2
         assert wait_until(lambda: fd_count() <= fds, timeout=5), f"{fd_count()} descriptors open, {fds} before"
+
+
+def _exit_while_building() -> gym.Env:
+    os._exit(3)
+
+
+def test_a_worker_that_dies_building_its_envs_is_not_restarted_in_a_loop(caplog):
+    # A crash in an env constructor would recur in any replacement: report it, do not replace.
+    with pytest.raises(WorkerLostError, match=r"envs 0\.\.0, exited with code 3 while building envs\.$"):
+        ClusterEnv([_exit_while_building, ENV_FNS[0]], num_workers=2, on_worker_failure="restart")
+    assert "replacing it" not in caplog.text

@@ -67,6 +67,12 @@ def test_binding_beyond_loopback_without_a_secret_is_refused(bind, monkeypatch):
         ClusterEnv(ENV_FNS, num_workers=1, bind=bind)
 
 
+def test_external_workers_without_a_secret_are_refused_rather_than_locked_out(monkeypatch):
+    monkeypatch.delenv(SECRET_ENV_VAR, raising=False)
+    with pytest.raises(ValueError, match="launcher='external'.* must know the learner's secret"):
+        ClusterEnv(ENV_FNS, num_workers=1, bind="tcp://127.0.0.1:*", launcher="external")
+
+
 def test_learner_drops_unauthenticated_peers_and_keeps_serving(tmp_path, caplog):
     marker = tmp_path / "learner-executed"
     with ClusterEnv(ENV_FNS, num_workers=1, bind="tcp://127.0.0.1:*", secret=SECRET, timeout=30) as envs:

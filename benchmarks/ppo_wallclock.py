@@ -1,0 +1,93 @@
+"""Wall-clock to train `examples/ppo_cartpole.py` with each backend, alternated, over several seeds.
+
+Every run is the example itself in a subprocess (its own start-up included), with the same
+seed and budget; the configurations take turns seed by seed, so a noisy machine slows them
+alike. The return is the mean over the last 100 training episodes (``episodes.csv``).
+
+    python benchmarks/ppo_wallclock.py                  # 3 configurations x 5 seeds, ~10 min on 2 cores
+    python benchmarks/ppo_wallclock.py --seeds 1 --total-timesteps 20000   # a smoke run
+
+Writes ``results/ppo_wallclock.md`` and ``.json``.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import tyro
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+CONFIGS = {
+    "gym": ["--backend", "gym"],
+    "clusterenv --local-policy": ["--local-policy"],
+    "clusterenv --local-policy --prefetch 1": ["--local-policy", "--prefetch", "1"],
+}
+
+
+@dataclasses.dataclass
+class Args:
+    seeds: tuple[int, ...] = (1, 2, 3, 4, 5)
+    """one run per seed and configuration"""
+    configs: tuple[str, ...] = tuple(CONFIGS)
+    """which configurations (names as in the table)"""
+    total_timesteps: int = 300_000
+    """env steps per run (the example's default)"""
+
+
+def run(flags: list[str], seed: int, total_timesteps: int) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as runs:
+        command = [sys.executable, "ppo_cartpole.py", "--seed", str(seed), "--runs-dir", runs, *flags]
+        command += ["--total-timesteps", str(total_timesteps)]
+        started = time.perf_counter()
+        subprocess.run(command, cwd=ROOT / "examples", check=True, capture_output=True, timeout=1800)
+        wall = time.perf_counter() - started
+        (csv_path,) = Path(runs).glob("*/episodes.csv")
+        with open(csv_path) as f:
+            returns = [float(row["episodic_return"]) for row in csv.DictReader(f)]
+    last = returns[-100:]
+    return {"wall_s": wall, "final_return": sum(last) / len(last)}
+
+
+def main(args: Args) -> None:
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in args.configs}
+    for seed in args.seeds:
+        for name in args.configs:
+            outcome = run(CONFIGS[name], seed, args.total_timesteps)
+            results[name].append({"seed": seed, **outcome})
+            print(f"seed {seed} {name}: {outcome['wall_s']:.1f} s, return {outcome['final_return']:.1f}", flush=True)
+    base = statistics.median(r["wall_s"] for r in results["gym"]) if "gym" in results else None
+    command = "python benchmarks/ppo_wallclock.py" + "".join(f" {a}" for a in sys.argv[1:])
+    lines = [
+        f"`{command}` — `examples/ppo_cartpole.py` defaults (8 envs), {args.total_timesteps:,} steps, seeds {list(args.seeds)}, "
+        f"configurations alternated; {os.cpu_count()} cores, Python {platform.python_version()}.",
+        "",
+        "| configuration | median wall-clock | speed-up vs gym | mean return, last 100 episodes (per seed) | ≥ 475 |",
+        "|---|---|---|---|---|",
+    ]
+    for name, runs in results.items():
+        wall = statistics.median(r["wall_s"] for r in runs)
+        finals = [r["final_return"] for r in runs]
+        speedup = f"{base / wall:.2f}x" if base else "n/a"
+        per_seed = ", ".join(f"{f:.0f}" for f in finals)
+        solved = sum(f >= 475 for f in finals)
+        lines.append(f"| {name} | {wall:.1f} s | {speedup} | {per_seed} | {solved}/{len(finals)} |")
+    table = "\n".join(lines)
+    print(table)
+    RESULTS_DIR.mkdir(exist_ok=True)
+    (RESULTS_DIR / "ppo_wallclock.md").write_text(table + "\n")
+    (RESULTS_DIR / "ppo_wallclock.json").write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main(tyro.cli(Args)))
