@@ -1,0 +1,401 @@
+# CleanRL's ppo_continuous_action.py (https://docs.cleanrl.dev/rl-algorithms/ppo/#ppo_continuous_actionpy) with
+# the envs in clusterenv workers. `--backend gym` runs the Gymnasium original. `--local-policy` acts with a copy
+# of the Gaussian actor in every worker (clusterenv.Gaussian head: the actor outputs the means, then CleanRL's
+# state-independent log standard deviations), pulling new weights only when its KL to the learner's latest
+# policy exceeds `--aps-threshold`; `--prefetch 1` lets the workers collect the next rollout while the learner
+# trains. HalfCheetah needs `pip install "gymnasium[mujoco]"`; `--env-id Pendulum-v1` runs without it.
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.optim as optim
+import tyro
+from advantages import compute_advantages
+from episode_log import EpisodeLog
+from torch.distributions.normal import Normal
+
+import clusterenv
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.use_deterministic_algorithms(True)` (same seed, same results)"""
+    torch_threads: int = 1
+    """torch CPU threads; one is fastest for this small network and leaves the other cores to the envs"""
+    backend: Literal["clusterenv", "gym"] = "clusterenv"
+    """`clusterenv.ClusterEnv` (envs in worker processes) or `gym.vector.SyncVectorEnv` (the Gymnasium original)"""
+    local_policy: bool = False
+    """act with a copy of the actor in each worker (clusterenv.PolicyRunner with a Gaussian head)"""
+    aps_threshold: float = 0.01
+    """with --local-policy: a worker pulls new weights when KL(learner || its copy) exceeds this"""
+    prefetch: int = 0
+    """with --local-policy: rollouts each worker collects ahead while the learner trains (0: lockstep)"""
+    is_clip: float = 1.0
+    """with --local-policy: truncation of the importance weight pi_learner / pi_acting (decoupled PPO ratio)"""
+    num_workers: int | None = None
+    """clusterenv worker processes (default: one per core, at most one per env)"""
+    runs_dir: str = "runs"
+    """where `<run_name>/episodes.csv` and `<run_name>/learning_curve.png` go"""
+
+    # Algorithm specific arguments
+    env_id: str = "HalfCheetah-v5"
+    """the id of the environment"""
+    total_timesteps: int = 1000000
+    """total timesteps of the experiments"""
+    learning_rate: float = 3e-4
+    """the learning rate of the optimizer"""
+    num_envs: int = 1
+    """the number of parallel game environments"""
+    num_steps: int = 2048
+    """the number of steps to run in each environment per policy rollout"""
+    anneal_lr: bool = True
+    """Toggle learning rate annealing for policy and value networks"""
+    gamma: float = 0.99
+    """the discount factor gamma"""
+    gae_lambda: float = 0.95
+    """the lambda for the general advantage estimation"""
+    num_minibatches: int = 32
+    """the number of mini-batches"""
+    update_epochs: int = 10
+    """the K epochs to update the policy"""
+    norm_adv: bool = True
+    """Toggles advantages normalization"""
+    clip_coef: float = 0.2
+    """the surrogate clipping coefficient"""
+    clip_vloss: bool = True
+    """Toggles whether or not to use a clipped loss for the value function, as per the paper."""
+    ent_coef: float = 0.0
+    """coefficient of the entropy"""
+    vf_coef: float = 0.5
+    """coefficient of the value function"""
+    max_grad_norm: float = 0.5
+    """the maximum norm for the gradient clipping"""
+    target_kl: float | None = None
+    """the target KL divergence threshold"""
+    return_window: int = 20
+    """episodes averaged for the reported mean episodic return"""
+
+    # to be filled in runtime
+    batch_size: int = 0
+    """the batch size (computed in runtime)"""
+    num_iterations: int = 0
+    """the number of iterations (computed in runtime)"""
+
+
+def check_args(args):
+    """Bad CLI input ends here with a one-line error, before any worker starts."""
+    if args.num_envs < 1:
+        raise SystemExit(f"error: --num-envs must be at least 1, got {args.num_envs}")
+    if args.num_steps < 1 or args.num_minibatches < 1:
+        raise SystemExit("error: --num-steps and --num-minibatches must be at least 1")
+    if args.total_timesteps < args.num_envs * args.num_steps:
+        raise SystemExit(
+            f"error: --total-timesteps ({args.total_timesteps}) must cover at least one rollout "
+            f"of --num-envs x --num-steps = {args.num_envs * args.num_steps} steps"
+        )
+    if args.local_policy and args.backend != "clusterenv":
+        raise SystemExit("error: --local-policy runs the actor in clusterenv workers; it needs --backend clusterenv")
+    if args.local_policy and not args.aps_threshold > 0:
+        raise SystemExit(f"error: --aps-threshold must be positive, got {args.aps_threshold}")
+    if args.prefetch < 0 or (args.prefetch and not args.local_policy):
+        raise SystemExit(f"error: --prefetch {args.prefetch} needs --local-policy and must not be negative")
+    try:
+        spec = gym.spec(args.env_id)
+        probe = gym.make(spec)
+    except (gym.error.Error, ImportError) as exc:
+        hint = ' (pip install "gymnasium[mujoco]")' if "mujoco" in str(exc).lower() else ""
+        raise SystemExit(f"error: --env-id {args.env_id!r}: {exc}{hint}") from None
+    space = probe.action_space
+    probe.close()
+    if not isinstance(space, gym.spaces.Box):
+        raise SystemExit(f"error: --env-id {args.env_id!r} has action space {space}; this script needs a Box")
+
+
+def make_env(env_id, idx, run_name, gamma):
+    def thunk():
+        env = gym.make(env_id)
+        env = gym.wrappers.FlattenObservation(env)  # deal with dm_control's Dict observation space
+        env = gym.wrappers.RecordEpisodeStatistics(env)
+        env = gym.wrappers.ClipAction(env)
+        env = gym.wrappers.NormalizeObservation(env)
+        env = gym.wrappers.TransformObservation(env, lambda obs: np.clip(obs, -10, 10), env.observation_space)
+        env = gym.wrappers.NormalizeReward(env, gamma=gamma)
+        env = gym.wrappers.TransformReward(env, lambda reward: np.clip(reward, -10, 10))
+        return env
+
+    return thunk
+
+
+def layer_init(layer, std=2**0.5, bias_const=0.0):
+    torch.nn.init.orthogonal_(layer.weight, std)
+    torch.nn.init.constant_(layer.bias, bias_const)
+    return layer
+
+
+class Actor(nn.Module):
+    """CleanRL's actor_mean and actor_logstd, as one module whose outputs are what `clusterenv.Gaussian` reads."""
+
+    def __init__(self, obs_dim, act_dim):
+        super().__init__()
+        self.actor_mean = nn.Sequential(
+            layer_init(nn.Linear(obs_dim, 64)),
+            nn.Tanh(),
+            layer_init(nn.Linear(64, 64)),
+            nn.Tanh(),
+            layer_init(nn.Linear(64, act_dim), std=0.01),
+        )
+        self.actor_logstd = nn.Parameter(torch.zeros(1, act_dim))
+
+    def forward(self, x):
+        mean = self.actor_mean(x)
+        return torch.cat([mean, self.actor_logstd.expand_as(mean)], dim=-1)
+
+
+class Agent(nn.Module):
+    def __init__(self, envs):
+        super().__init__()
+        obs_dim = int(np.array(envs.single_observation_space.shape).prod())
+        act_dim = int(np.prod(envs.single_action_space.shape))
+        self.critic = nn.Sequential(
+            layer_init(nn.Linear(obs_dim, 64)),
+            nn.Tanh(),
+            layer_init(nn.Linear(64, 64)),
+            nn.Tanh(),
+            layer_init(nn.Linear(64, 1), std=1.0),
+        )
+        self.actor = Actor(obs_dim, act_dim)
+
+    def get_value(self, x):
+        return self.critic(x)
+
+    def get_action_and_value(self, x, action=None):
+        action_mean, action_logstd = self.actor(x).chunk(2, dim=-1)
+        probs = Normal(action_mean, torch.exp(action_logstd))
+        if action is None:
+            action = probs.sample()
+        return action, probs.log_prob(action).sum(1), probs.entropy().sum(1), self.critic(x)
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    check_args(args)
+    args.batch_size = int(args.num_envs * args.num_steps)
+    args.num_iterations = args.total_timesteps // args.batch_size
+    run_name = f"{args.env_id}__{args.exp_name}__{args.backend}__{args.seed}__{int(time.time())}".replace("/", "-")
+
+    # TRY NOT TO MODIFY: seeding
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.use_deterministic_algorithms(args.torch_deterministic)
+    torch.set_num_threads(args.torch_threads)
+
+    device = torch.device("cpu")
+
+    # env setup: the Gymnasium original is `envs = gym.vector.SyncVectorEnv([...])`
+    env_fns = [make_env(args.env_id, i, run_name, args.gamma) for i in range(args.num_envs)]
+    if args.backend == "clusterenv":
+        envs = clusterenv.ClusterEnv(env_fns, num_workers=args.num_workers)
+    else:
+        envs = gym.vector.SyncVectorEnv(env_fns)
+    assert isinstance(envs.single_action_space, gym.spaces.Box), "only continuous action space is supported"
+
+    agent = Agent(envs).to(device)
+    optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
+    log = EpisodeLog(os.path.join(args.runs_dir, run_name), args.num_iterations * args.batch_size, args.return_window)
+    # Only the actor goes to the workers; the critic stays here and values the returned observations.
+    runner = (
+        clusterenv.PolicyRunner(
+            envs,
+            agent.actor,
+            clusterenv.APS(threshold=args.aps_threshold),
+            head=clusterenv.Gaussian(),
+            seed=args.seed,
+            prefetch=args.prefetch,
+        )
+        if args.local_policy
+        else None
+    )
+
+    # ALGO Logic: Storage setup
+    obs = torch.zeros((args.num_steps, args.num_envs) + envs.single_observation_space.shape).to(device)
+    actions = torch.zeros((args.num_steps, args.num_envs) + envs.single_action_space.shape).to(device)
+    logprobs = torch.zeros((args.num_steps, args.num_envs)).to(device)
+    rewards = torch.zeros((args.num_steps, args.num_envs)).to(device)
+    terminated = torch.zeros((args.num_steps, args.num_envs), dtype=torch.bool).to(device)
+    truncated = torch.zeros((args.num_steps, args.num_envs), dtype=torch.bool).to(device)
+    autoreset = torch.zeros((args.num_steps, args.num_envs), dtype=torch.bool).to(device)
+    values = torch.zeros((args.num_steps, args.num_envs)).to(device)
+
+    # TRY NOT TO MODIFY: start the game
+    global_step = 0
+    start_time = time.time()
+    next_obs, _ = envs.reset(seed=args.seed)
+    next_obs = torch.Tensor(next_obs).to(device)
+    next_autoreset = torch.zeros(args.num_envs, dtype=torch.bool).to(device)
+
+    for iteration in range(1, args.num_iterations + 1):
+        # Annealing the rate if instructed to do so.
+        if args.anneal_lr:
+            frac = 1.0 - (iteration - 1.0) / args.num_iterations
+            optimizer.param_groups[0]["lr"] = frac * args.learning_rate
+
+        if runner is not None:
+            # ALGO LOGIC: the workers' local actors play all num_steps; logprobs are those of the acting copy,
+            # of the unclipped samples (the env clips them, as CleanRL's ClipAction does).
+            batch = runner.rollout(args.num_steps)
+            for t, info in enumerate(batch.infos):
+                log.record(global_step + (t + 1) * args.num_envs, info)
+            global_step += args.batch_size
+            obs.copy_(torch.as_tensor(batch.obs))
+            actions.copy_(torch.as_tensor(batch.actions))
+            logprobs.copy_(torch.as_tensor(batch.logprobs))
+            rewards.copy_(torch.as_tensor(batch.rewards))
+            terminated.copy_(torch.as_tensor(batch.terminations))
+            truncated.copy_(torch.as_tensor(batch.truncations))
+            autoreset.copy_(torch.as_tensor(batch.autoreset))
+            with torch.no_grad():
+                values.copy_(agent.get_value(obs).squeeze(-1))
+            next_obs = torch.Tensor(batch.next_obs).to(device)
+        else:
+            for step in range(0, args.num_steps):
+                global_step += args.num_envs
+                obs[step] = next_obs
+                # Gymnasium 1.x NEXT_STEP autoreset: an env whose previous step ended its episode resets now,
+                # ignoring its action (reward 0). CleanRL's loop keeps such rows; examples/advantages.py masks them.
+                autoreset[step] = next_autoreset
+
+                # ALGO LOGIC: action logic
+                with torch.no_grad():
+                    action, logprob, _, value = agent.get_action_and_value(next_obs)
+                    values[step] = value.flatten()
+                actions[step] = action
+                logprobs[step] = logprob
+
+                # TRY NOT TO MODIFY: execute the game and log data.
+                next_obs, reward, terminations, truncations, infos = envs.step(action.cpu().numpy())
+                terminated[step] = torch.as_tensor(terminations).to(device)
+                truncated[step] = torch.as_tensor(truncations).to(device)
+                next_autoreset = terminated[step] | truncated[step]
+                rewards[step] = torch.tensor(reward).to(device).view(-1)
+                next_obs = torch.Tensor(next_obs).to(device)
+                log.record(global_step, infos)
+
+        # bootstrap value if not done
+        with torch.no_grad():
+            next_value = agent.get_value(next_obs).reshape(1, -1)
+            # V(obs[t + 1]): at a truncation (HalfCheetah truncates every episode at 1,000 steps) NEXT_STEP
+            # returns the episode's true final observation, so truncated steps bootstrap from the right state.
+            next_values = torch.cat([values[1:], next_value])
+            advantages, returns, valid = compute_advantages(
+                rewards, values, next_values, terminated, truncated, autoreset, args.gamma, args.gae_lambda
+            )
+
+        # flatten the batch
+        b_obs = obs.reshape((-1,) + envs.single_observation_space.shape)
+        b_logprobs = logprobs.reshape(-1)
+        b_actions = actions.reshape((-1,) + envs.single_action_space.shape)
+        b_advantages = advantages.reshape(-1)
+        b_returns = returns.reshape(-1)
+        b_values = values.reshape(-1)
+
+        # Reset steps carry no transition (see examples/advantages.py): only the other rows go into the loss.
+        b_valid = np.flatnonzero(valid.reshape(-1).cpu().numpy())
+        b_weights = torch.ones_like(b_logprobs)
+        if runner is not None:
+            # The acting copy may lag the learner (APS, prefetch): clip against the learner's own pre-update
+            # policy and weight each sample by min(pi_learner / pi_acting, is_clip) (decoupled PPO).
+            with torch.no_grad():
+                _, prox_logprobs, _, _ = agent.get_action_and_value(b_obs, b_actions)
+            b_weights = torch.clamp((prox_logprobs - b_logprobs).exp(), max=args.is_clip)
+            b_logprobs = prox_logprobs
+
+        # Optimizing the policy and value network
+        clipfracs = []
+        for _epoch in range(args.update_epochs):
+            b_inds = np.random.permutation(b_valid)
+            for mb_inds in np.array_split(b_inds, args.num_minibatches):
+                _, newlogprob, entropy, newvalue = agent.get_action_and_value(b_obs[mb_inds], b_actions[mb_inds])
+                logratio = newlogprob - b_logprobs[mb_inds]
+                ratio = logratio.exp()
+
+                with torch.no_grad():
+                    # calculate approx_kl http://joschu.net/blog/kl-approx.html
+                    old_approx_kl = (-logratio).mean()
+                    approx_kl = ((ratio - 1) - logratio).mean()
+                    clipfracs += [((ratio - 1.0).abs() > args.clip_coef).float().mean().item()]
+
+                mb_advantages = b_advantages[mb_inds]
+                if args.norm_adv:
+                    mb_advantages = (mb_advantages - mb_advantages.mean()) / (mb_advantages.std() + 1e-8)
+
+                # Policy loss
+                pg_loss1 = -mb_advantages * ratio
+                pg_loss2 = -mb_advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
+                pg_loss = (b_weights[mb_inds] * torch.max(pg_loss1, pg_loss2)).mean()
+
+                # Value loss
+                newvalue = newvalue.view(-1)
+                if args.clip_vloss:
+                    v_loss_unclipped = (newvalue - b_returns[mb_inds]) ** 2
+                    v_clipped = b_values[mb_inds] + torch.clamp(
+                        newvalue - b_values[mb_inds],
+                        -args.clip_coef,
+                        args.clip_coef,
+                    )
+                    v_loss_clipped = (v_clipped - b_returns[mb_inds]) ** 2
+                    v_loss = 0.5 * torch.max(v_loss_unclipped, v_loss_clipped).mean()
+                else:
+                    v_loss = 0.5 * ((newvalue - b_returns[mb_inds]) ** 2).mean()
+
+                entropy_loss = entropy.mean()
+                loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
+
+                optimizer.zero_grad()
+                loss.backward()
+                nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+                optimizer.step()
+
+            if args.target_kl is not None and approx_kl > args.target_kl:
+                break
+
+        y_pred, y_true = b_values[b_valid].cpu().numpy(), b_returns[b_valid].cpu().numpy()
+        var_y = np.var(y_true)
+        explained_var = np.nan if var_y == 0 else 1 - np.var(y_true - y_pred) / var_y
+
+        # TRY NOT TO MODIFY: record rewards for plotting purposes
+        scalars = {
+            "charts/learning_rate": optimizer.param_groups[0]["lr"],
+            "losses/value_loss": v_loss.item(),
+            "losses/policy_loss": pg_loss.item(),
+            "losses/entropy": entropy_loss.item(),
+            "losses/old_approx_kl": old_approx_kl.item(),
+            "losses/approx_kl": approx_kl.item(),
+            "losses/clipfrac": np.mean(clipfracs),
+            "losses/explained_variance": explained_var,
+            "charts/SPS": int(global_step / (time.time() - start_time)),
+        }
+        postfix = {}
+        if runner is not None:
+            runner.publish(agent.actor)
+            sync = runner.telemetry.summary()
+            scalars.update(sync)
+            postfix["pulls"] = sync["sync/pulls"]
+        log.progress(global_step, scalars, **postfix)
+
+    if runner is not None:
+        runner.stop()
+    envs.close()
+    mode = f"local policy, APS {args.aps_threshold}, prefetch {args.prefetch}" if args.local_policy else args.backend
+    log.close(f"PPO {args.env_id} ({mode}, seed {args.seed})")
