@@ -140,6 +140,11 @@ class WorkerPool:
         self._finalizer = weakref.finalize(self, _shutdown, self.launcher, self._monitor, self._channel, self._context)
 
     @property
+    def heartbeat_endpoint(self) -> str:
+        """Where the learner's heartbeat socket listens (workers learn it from their INIT)."""
+        return self._monitor.endpoint
+
+    @property
     def key(self) -> bytes:
         """The shared secret the channel authenticates with."""
         return self._channel.key

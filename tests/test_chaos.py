@@ -1,0 +1,104 @@
+"""A chaos run: 20,000 batch steps while workers are killed, frozen and their sockets flooded."""
+
+from __future__ import annotations
+
+import glob
+import os
+import random
+import signal
+import tempfile
+import threading
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import zmq
+
+from clusterenv import ClusterEnv
+from clusterenv.liveness import Heartbeat
+from tests.conftest import child_pids, wait_until
+
+pytestmark = pytest.mark.slow
+
+NUM_ENVS, NUM_WORKERS, BATCH_STEPS = 8, 4, 20_000
+FAST = Heartbeat(interval=0.1, liveness=10)  # a frozen worker is lost after 1 s
+
+
+def leftovers() -> tuple[set[str], set[str]]:
+    """clusterenv's directories under the temp dir, and its files in /dev/shm."""
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "clusterenv-*"))), set(glob.glob("/dev/shm/clusterenv*"))
+
+
+def flood(endpoint: str, stop: threading.Event) -> None:
+    """An unauthenticated peer sending garbage and oversized frames to an endpoint until ``stop``."""
+    context = zmq.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.SNDHWM, 10)
+    socket.connect(endpoint)
+    rng = random.Random(0)
+    junk = [b"", b"\x00" * 64, os.urandom(300), b"\x92\x01\x02", os.urandom(1 << 20)]
+    while not stop.wait(0.01):
+        try:
+            socket.send_multipart([rng.choice(junk) for _ in range(rng.randint(1, 4))], zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+    socket.close()
+    context.term()
+
+
+@pytest.mark.timeout(900)
+def test_twenty_thousand_steps_through_kills_freezes_and_floods():
+    rng = random.Random(1)
+    fds_before, dirs_before = len(os.listdir("/proc/self/fd")), leftovers()
+    fns = [lambda: gym.make("CartPole-v1")] * NUM_ENVS
+    stop = threading.Event()
+    with ClusterEnv(fns, num_workers=NUM_WORKERS, on_worker_failure="restart", heartbeat=FAST, timeout=60) as envs:
+        floods = [
+            threading.Thread(target=flood, args=(endpoint, stop), daemon=True)
+            for endpoint in (envs.address, envs.pool.heartbeat_endpoint)
+        ]
+        for thread in floods:
+            thread.start()
+        envs.reset(seed=0)
+        per_worker = NUM_ENVS // NUM_WORKERS
+        hit: dict[int, str] = {}  # worker -> what was done to it, until its restart is reported
+        reported = []
+        for t in range(BATCH_STEPS):
+            actions = np.array([rng.randrange(2) for _ in range(NUM_ENVS)])
+            if not hit and t % 1000 == 500:  # at most one casualty at a time; about 20 in all
+                victim = rng.randrange(NUM_WORKERS)
+                how = rng.choice(["SIGKILL", "SIGKILL mid-step", "SIGSTOP", "SIGSTOP mid-step"])
+                pid = envs.worker_info[victim]["pid"]
+                sig = signal.SIGKILL if how.startswith("SIGKILL") else signal.SIGSTOP
+                if how.endswith("mid-step"):
+                    envs.step_async(actions)
+                    os.kill(pid, sig)
+                    result = envs.step_wait()
+                else:
+                    os.kill(pid, sig)
+                    result = envs.step(actions)
+                hit[victim] = how
+            else:
+                result = envs.step(actions)
+            obs, rewards, terminations, truncations, infos = result
+            assert obs.shape == (NUM_ENVS, 4) and rewards.shape == terminations.shape == truncations.shape == (
+                NUM_ENVS,
+            )
+            if "worker_restarted" in infos:
+                restarted = np.flatnonzero(infos["worker_restarted"])
+                workers = sorted({int(i) // per_worker for i in restarted})
+                assert workers == sorted(hit), f"step {t}: restarts of {workers}, but {hit} were hit"
+                for w in workers:  # every env of a replaced worker reports its episode as cut
+                    envs_of_w = range(w * per_worker, (w + 1) * per_worker)
+                    assert set(restarted) >= set(envs_of_w) and truncations[list(envs_of_w)].all()
+                    reported.append(hit.pop(w))
+        assert not hit, f"{hit} were hit but their restart was never reported"
+        assert len(reported) >= 15, reported
+        stop.set()
+        for thread in floods:
+            thread.join(timeout=10)
+    assert wait_until(lambda: not child_pids(), timeout=10), f"workers left: {child_pids()}"
+    assert wait_until(lambda: len(os.listdir("/proc/self/fd")) <= fds_before, timeout=10)
+    dirs_after = leftovers()
+    assert dirs_after[0] <= dirs_before[0] and dirs_after[1] <= dirs_before[1], (dirs_before, dirs_after)
