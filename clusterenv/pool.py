@@ -31,7 +31,7 @@ import pickle
 import secrets
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -43,7 +43,7 @@ from clusterenv.liveness import Heartbeat, HeartbeatMonitor, heartbeat_address
 from clusterenv.protocol import Kind, Message
 from clusterenv.transport import Channel, is_loopback, resolve_secret
 
-__all__ = ["WorkerPool", "weak_callback"]
+__all__ = ["Command", "WorkerPool", "weak_callback"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,8 @@ _CLOSE_LINGER_MS = 500
 _REPLAYABLE = (Kind.RESET, Kind.CALL, Kind.SET_ATTR)
 # Commands whose interruption the caller reports itself (a step: the episode was cut).
 _INTERRUPTIBLE = frozenset({Kind.STEP})
+#: One worker's command: ``(meta, arrays, blobs)``.
+Command = tuple[dict[str, Any] | None, Sequence[np.ndarray], Sequence[bytes]]
 
 
 class WorkerPool:
@@ -241,17 +243,29 @@ class WorkerPool:
         blobs: Sequence[bytes] = (),
     ) -> None:
         """Send one command of the current call to worker ``worker_id``."""
-        self._last_sent[worker_id] = (kind, meta, arrays, blobs)  # replayed to a replacement worker
-        try:
-            self._channel.send(
-                kind, {**(meta or {}), "seq": self.seq}, list(arrays), list(blobs), to=self._identities[worker_id]
-            )
-        except zmq.ZMQError as exc:
-            if self.on_worker_failure == "restart" and not self._recovering:
-                logger.warning("Worker %d is unreachable (%s); it will be replaced.", worker_id, exc)
-                self._failed.add(worker_id)
-                return
-            raise self._lost(worker_id, f"sending {kind.name}") from exc
+        self.send_each(kind, {worker_id: (meta, arrays, blobs)})
+
+    def send_each(self, kind: Kind, commands: Mapping[int, Command]) -> None:
+        """Send one command of the current call to each worker in ``commands`` (``{worker_id: (meta, arrays, blobs)}``).
+
+        All or nothing: every message is encoded before the first one leaves, so a value
+        that cannot travel raises while no worker has received anything. (A reset that
+        reached some workers only would silently desynchronize the envs.)
+        """
+        encoded = [
+            (w, self._channel.frames(kind, {**(meta or {}), "seq": self.seq}, list(arrays), list(blobs)))
+            for w, (meta, arrays, blobs) in commands.items()
+        ]
+        for (worker_id, frames), (meta, arrays, blobs) in zip(encoded, commands.values(), strict=True):
+            self._last_sent[worker_id] = (kind, meta, arrays, blobs)  # replayed to a replacement worker
+            try:
+                self._channel.send_frames(frames, to=self._identities[worker_id])
+            except zmq.ZMQError as exc:
+                if self.on_worker_failure == "restart" and not self._recovering:
+                    logger.warning("Worker %d is unreachable (%s); it will be replaced.", worker_id, exc)
+                    self._failed.add(worker_id)
+                    continue
+                raise self._lost(worker_id, f"sending {kind.name}") from exc
 
     def gather(
         self,

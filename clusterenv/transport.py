@@ -139,7 +139,20 @@ class Channel:
         to: bytes | None = None,
     ) -> None:
         """Send one message (to ``to`` on a ROUTER)."""
-        frames = coalesce(encode(kind, meta, arrays, blobs, key=self.key, cover_arrays=self.cover_arrays))
+        self.send_frames(self.frames(kind, meta, arrays, blobs), to=to)
+
+    def frames(
+        self,
+        kind: Kind,
+        meta: dict[str, Any] | None = None,
+        arrays: list[np.ndarray] | tuple[np.ndarray, ...] = (),
+        blobs: list[bytes] | tuple[bytes, ...] = (),
+    ) -> list[Any]:
+        """One message encoded for this channel, for :meth:`send_frames`: encoding errors raise here, before sending."""
+        return coalesce(encode(kind, meta, arrays, blobs, key=self.key, cover_arrays=self.cover_arrays))
+
+    def send_frames(self, frames: list[Any], *, to: bytes | None = None) -> None:
+        """Send a message encoded by :meth:`frames` (to ``to`` on a ROUTER)."""
         socket = self.socket
         if to is not None:
             socket.send(to, zmq.SNDMORE)
