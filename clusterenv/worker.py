@@ -26,6 +26,7 @@ import cloudpickle
 import numpy as np
 import zmq
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
+from gymnasium.vector.utils import concatenate, create_empty_array
 
 from clusterenv import shared_obs
 from clusterenv.batching import InfoRecord, is_array_tree, leaf_arrays, unflatten
@@ -70,6 +71,17 @@ class _RecordingVectorEnv(SyncVectorEnv):
         """The current per-env observations, for spaces without a fixed array form."""
         return self._env_obs
 
+    def misfit_observation(self) -> int | None:
+        """The first env whose current observation does not batch into the observation space, if any."""
+        space = self.single_observation_space
+        out: Any = create_empty_array(space, n=1)
+        for i, obs in enumerate(self._env_obs):
+            try:
+                concatenate(space, [obs], out)
+            except Exception:
+                return i
+        return None
+
     def autoresetting(self) -> np.ndarray:
         """Under NEXT_STEP, which envs' next step is an autoreset step (a copy)."""
         return self._autoreset_envs.copy()
@@ -87,14 +99,27 @@ class _RecordingVectorEnv(SyncVectorEnv):
 
 
 def _failing_env_index(exc: BaseException) -> int | None:
-    """The local index of the env that raised, read from the loop variables of the frames it passed."""
+    """The local index of the env that raised, read from the loop variables of the frames it passed.
+
+    After its loop, ``SyncVectorEnv.step``/``reset`` batch the observations with ``concatenate``,
+    which raises on one that does not fit the observation space; the loop variable then
+    names the last env, so the env whose observation does not fit is looked for instead.
+    """
     index_loops = {SyncVectorEnv.step.__code__, SyncVectorEnv.reset.__code__, _make_envs.__code__}
     env_loops = {SyncVectorEnv.call.__code__, SyncVectorEnv.set_attr.__code__}
     index = None
+    caller: _RecordingVectorEnv | None = None  # whose step/reset frame was just passed
     for frame, _ in traceback.walk_tb(exc.__traceback__):
         local = frame.f_locals
+        module = frame.f_globals.get("__name__")
+        if caller is not None and module == concatenate.__module__:
+            return caller.misfit_observation()
+        if module != "functools":  # singledispatch's wrapper stands between the loop and concatenate
+            caller = None
         if frame.f_code in index_loops and isinstance(local.get("i"), int):
             index = local["i"]
+            if isinstance(local.get("self"), _RecordingVectorEnv):
+                caller = local["self"]
         elif frame.f_code in env_loops and isinstance(local.get("self"), SyncVectorEnv):
             index = next((i for i, env in enumerate(local["self"].envs) if env is local.get("env")), index)
     return index

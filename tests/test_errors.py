@@ -17,7 +17,7 @@ from gymnasium.vector import SyncVectorEnv
 import clusterenv
 from clusterenv import ClusterEnv, RemoteEnvError
 from tests.conftest import assert_same, child_pids, pid_alive, wait_until
-from tests.envs import BrokenInitEnv, FailingEnv, FailingResetEnv, RichSpacesEnv
+from tests.envs import BrokenInitEnv, FailingEnv, FailingResetEnv, RichSpacesEnv, WrongShapeObsEnv
 
 CARTPOLE = functools.partial(gym.make, "CartPole-v1")
 
@@ -636,6 +636,25 @@ def test_env_exception_is_reraised_with_index_worker_and_traceback(fail_at, wher
     with pytest.raises(ClosedEnvironmentError):
         envs.step(np.zeros(3, dtype=np.int64))
     envs.close()
+
+
+WRONG_SHAPES = {
+    "step, env 0 of 2": ("step", 0),
+    "step, env 1 of 2": ("step", 1),
+    "reset, env 0 of 2": ("reset", 0),
+}
+
+
+@pytest.mark.parametrize(("where", "bad_env"), WRONG_SHAPES.values(), ids=WRONG_SHAPES)
+def test_observation_of_the_wrong_shape_is_blamed_on_the_env_that_returned_it(where, bad_env):
+    env_fns = [functools.partial(WrongShapeObsEnv, where if i == bad_env else None) for i in range(2)]
+    with ClusterEnv(env_fns, num_workers=1) as envs:
+        with pytest.raises(RemoteEnvError) as caught:
+            envs.reset(seed=0)
+            envs.step(np.zeros(2, dtype=np.int64))
+    doing = "stepping" if where == "step" else "resetting"
+    assert caught.value.env_index == bad_env
+    assert str(caught.value).startswith(f"env {bad_env} on worker 0 raised ValueError while {doing}: ")
 
 
 def test_remote_env_error_survives_pickling():
