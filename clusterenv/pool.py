@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from clusterenv.cleanup import remove_stale_dirs
 from clusterenv.errors import RemoteEnvError, WorkerLostError, WorkerStartError, WorkerTimeoutError
 from clusterenv.launch import Launcher, resolve_launcher
 from clusterenv.liveness import Heartbeat, HeartbeatMonitor, heartbeat_address
@@ -102,6 +103,7 @@ class WorkerPool:
         self.launcher: Launcher = resolve_launcher(launcher)
         if bind is None and getattr(self.launcher, "requires_tcp", False):
             bind = "tcp://127.0.0.1:*"  # workers connect from other processes that Ray starts, on this host
+        remove_stale_dirs()  # of learners that were killed: a learner starting is when someone is there to do it
         self._context = zmq.Context()
         self._channel = Channel.bind_router(self._context, bind, key or secrets.token_hex(32).encode())
         self.address = self._channel.endpoint
@@ -453,10 +455,15 @@ class WorkerPool:
         self.close(terminate=terminate)
 
     def close(self, grace: float = 5.0, terminate: bool = False) -> None:
-        """Ask workers to exit (after closing their envs); kill those that do not within ``grace`` seconds."""
+        """Ask workers to exit (after closing their envs); kill those that do not within ``grace`` seconds.
+
+        ``grace`` bounds the whole wait: confirming CLOSE and then waiting for the processes
+        to exit share it, so a worker that ignores CLOSE costs one grace period, not two.
+        """
         if self.closed:
             return
         self.closed = True
+        deadline = time.monotonic() + grace
         # Also on terminate: workers this process cannot kill (external, remote) must hear it.
         # Without blocking: a frozen worker's full queue must not hang close().
         self._channel.socket.setsockopt(zmq.SNDTIMEO, 0)
@@ -467,14 +474,13 @@ class WorkerPool:
             except zmq.ZMQError:
                 pass  # already gone
         if not terminate:
-            self._await_closed(grace)
-        self.launcher.stop(0.0 if terminate else grace)
+            self._await_closed(deadline)
+        self.launcher.stop(0.0 if terminate else max(0.0, deadline - time.monotonic()))
         self._finalizer()
 
-    def _await_closed(self, grace: float) -> None:
-        """Wait up to ``grace`` seconds for CLOSED from every worker not known to be gone."""
+    def _await_closed(self, deadline: float) -> None:
+        """Wait until ``deadline`` (``time.monotonic()``) for CLOSED from every worker not known to be gone."""
         pending = set(self._identities)
-        deadline = time.monotonic() + grace
         while pending and time.monotonic() < deadline:
             received = self._channel.recv(LIVENESS_POLL_S, routed=True)
             if received is not None:
@@ -484,6 +490,8 @@ class WorkerPool:
                 continue
             expired = self._monitor.expired()
             pending = {w for w in pending if w not in expired and self.launcher.exit_code(w) is None}
+        if pending:
+            logger.warning("Workers %s did not confirm CLOSE within the grace period; ending them.", sorted(pending))
 
 
 def weak_callback(method: Callable[..., None]) -> Callable[..., None]:

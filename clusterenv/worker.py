@@ -302,6 +302,14 @@ def _identity(value: Any) -> Any:
     return value
 
 
+def _close_quietly(worker: Worker) -> None:
+    """Close the envs of a worker whose learner is gone: nobody is left to report a failure to."""
+    try:
+        worker.close()
+    except Exception:
+        logger.warning("Closing the envs failed.", exc_info=True)
+
+
 def _error_meta(env_index: int | None, exc_type: str, message: str, tb: str) -> dict[str, Any]:
     return {"env_index": env_index, "exc_type": exc_type, "message": message, "traceback": tb}
 
@@ -351,10 +359,12 @@ def serve(
         while True:
             msg = mailbox.take(IDLE_CHECK_INTERVAL_S)
             if heart is not None and heart.learner_lost.is_set():
+                _close_quietly(worker)  # while the watchdog waits: if closing hangs, it ends the process
                 return LEARNER_LOST_EXIT_CODE
             if msg is None:
                 if parent_pid is not None and os.getppid() != parent_pid:
                     logger.warning("Worker %d: learner process %d is gone; exiting.", worker.worker_id, parent_pid)
+                    _close_quietly(worker)
                     return LEARNER_LOST_EXIT_CODE
                 if heart is None and join_deadline is not None and time.monotonic() > join_deadline:
                     logger.error("No learner at %s sent work within %.1f s; exiting.", address, join_timeout)
@@ -365,7 +375,8 @@ def serve(
                 if "heartbeat" in msg.meta:
                     # Started before the envs are built: building them may take long.
                     config = Heartbeat(**msg.meta["heartbeat"])
-                    heart = HeartbeatClient(context, address, msg.meta["heartbeat_endpoint"], key, identity, config)
+                    endpoint = msg.meta["heartbeat_endpoint"]
+                    heart = HeartbeatClient(context, address, endpoint, key, identity, config, parent_pid=parent_pid)
             if msg.kind is Kind.CLOSE:
                 worker.close()
                 channel.send(Kind.CLOSED)
