@@ -346,14 +346,21 @@ def test_close_kills_a_worker_stuck_in_a_step_after_the_grace_period():
 def test_close_waits_one_grace_period_in_all_and_ends_the_env_processes_of_a_worker_that_ignores_close():
     grace = 3.0  # a confirmation wait and a process wait of one grace each took 2 * grace (6 s) before
     envs, pids = start([functools.partial(StuckEnv, 600.0)] * 2, num_workers=1)
-    envs.reset(seed=0)
-    helpers = set(envs.get_attr("helper_pid"))
-    envs.step_async(np.zeros(2, dtype=np.int64))
-    started = time.monotonic()
-    envs.close(timeout=grace)
-    elapsed = time.monotonic() - started
-    assert grace <= elapsed < grace + 2.0, f"close(timeout={grace}) took {elapsed:.1f} s"
-    assert all_gone(pids | helpers, timeout=5), "the worker and the processes its envs started must all be gone"
+    helpers: set[int] = set()
+    try:
+        envs.reset(seed=0)
+        helpers = set(envs.get_attr("helper_pid"))
+        envs.step_async(np.zeros(2, dtype=np.int64))
+        started = time.monotonic()
+        envs.close(timeout=grace)
+        elapsed = time.monotonic() - started
+        assert grace <= elapsed < grace + 2.0, f"close(timeout={grace}) took {elapsed:.1f} s"
+        assert all_gone(pids | helpers, timeout=5), "the worker and the processes its envs started must all be gone"
+    finally:
+        envs.close(terminate=True)
+        for pid in helpers:  # not our children: the leak check cannot see them
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_close_with_terminate_does_not_wait():
