@@ -24,14 +24,15 @@ from clusterenv.batching import is_array_tree, leaf_arrays, leaf_specs, replay_i
 from clusterenv.errors import WorkerTimeoutError
 from clusterenv.launch import Launcher
 from clusterenv.liveness import Heartbeat
-from clusterenv.pool import WorkerPool, weak_callback
+from clusterenv.pool import Command, WorkerPool, weak_callback
 from clusterenv.protocol import Kind, Message
 from clusterenv.validation import (
     check_actions,
+    check_attribute_name,
     check_batch_size,
     check_env_fns,
     check_num_workers,
-    check_reset_mask,
+    check_reset_options,
     check_seconds,
     check_seeds,
     pickle_argument,
@@ -337,18 +338,15 @@ class ClusterEnv(VectorEnv):
         """Send the reset to the workers without waiting for the observations."""
         self._begin(AsyncState.WAITING_RESET)
         seeds = check_seeds(seed, self.num_envs)
-        options = dict(options) if options is not None else None
-        mask = None
-        if options is not None and "reset_mask" in options:
-            mask = check_reset_mask(options.pop("reset_mask"), self.num_envs)
+        options, mask = check_reset_options(options, self.num_envs)
         blobs = [] if options is None else [pickle_argument(options, "`options` of reset")]
-        self._pending = []
-        for w, sl in enumerate(self._slices):
-            if mask is not None and not mask[sl].any():
-                continue
-            meta = {"seeds": seeds[sl], "mask": None if mask is None else mask[sl].tolist()}
-            self._pool.send(w, Kind.RESET, meta, blobs=blobs)
-            self._pending.append(w)
+        commands: dict[int, Command] = {
+            w: ({"seeds": seeds[sl], "mask": None if mask is None else mask[sl].tolist()}, (), blobs)
+            for w, sl in enumerate(self._slices)
+            if mask is None or mask[sl].any()
+        }
+        self._pool.send_each(Kind.RESET, commands)  # all or none: a partial reset would desynchronize the envs
+        self._pending = list(commands)
         if mask is None:
             self._rewards[:] = 0.0
         self._state = AsyncState.WAITING_RESET
@@ -377,8 +375,9 @@ class ClusterEnv(VectorEnv):
         if self._action_specs is None:
             raise TypeError(f"Action space {self.single_action_space} has no fixed array form; it is not supported.")
         leaves = check_actions(actions, self.action_space, self._action_specs, self.num_envs)
-        for w, sl in enumerate(self._slices):
-            self._pool.send(w, Kind.STEP, arrays=[leaf[sl] for leaf in leaves], blobs=())
+        self._pool.send_each(
+            Kind.STEP, {w: (None, [leaf[sl] for leaf in leaves], ()) for w, sl in enumerate(self._slices)}
+        )
         self._pending = list(range(self.num_workers))
         self._state = AsyncState.WAITING_STEP
 
@@ -521,9 +520,11 @@ class ClusterEnv(VectorEnv):
         if not (self._in_flight or self._arrived):
             self._begin(AsyncState.WAITING_STEP)
             self._state = AsyncState.WAITING_STEP
-        for w, r in zip(workers, rows, strict=True):
-            self._pool.send(w, Kind.STEP, arrays=[_rows(leaf, r) for leaf in leaves], blobs=())
-            self._in_flight[w] = "step"
+        commands: dict[int, Command] = {
+            w: (None, [_rows(leaf, r) for leaf in leaves], ()) for w, r in zip(workers, rows, strict=True)
+        }
+        self._pool.send_each(Kind.STEP, commands)
+        self._in_flight.update(dict.fromkeys(workers, "step"))
 
     def recv(
         self, timeout: float | None = None
@@ -619,9 +620,9 @@ class ClusterEnv(VectorEnv):
     def call_async(self, name: str, *args: Any, **kwargs: Any) -> None:
         """Ask every env for ``name`` (called with the arguments if it is callable)."""
         self._begin(AsyncState.WAITING_CALL)
+        name = check_attribute_name(name)
         blob = pickle_argument((args, kwargs), f"arguments of call({name!r})")
-        for w in range(self.num_workers):
-            self._pool.send(w, Kind.CALL, {"name": name}, blobs=[blob])
+        self._pool.send_each(Kind.CALL, {w: ({"name": name}, (), [blob]) for w in range(self.num_workers)})
         self._pending = list(range(self.num_workers))
         self._state = AsyncState.WAITING_CALL
 
@@ -643,6 +644,7 @@ class ClusterEnv(VectorEnv):
 
     def set_attr(self, name: str, values: list[Any] | tuple[Any, ...] | Any) -> None:
         """Set attribute ``name`` on every env: one value each, or the same value for all."""
+        name = check_attribute_name(name)
         if not isinstance(values, (list, tuple)):
             values = [values for _ in range(self.num_envs)]
         if len(values) != self.num_envs:
@@ -651,9 +653,8 @@ class ClusterEnv(VectorEnv):
                 f"Got `{len(values)}` values for {self.num_envs} environments."
             )
         self._begin(AsyncState.WAITING_CALL)
-        for w, sl in enumerate(self._slices):
-            blob = pickle_argument(list(values[sl]), f"values of set_attr({name!r})")
-            self._pool.send(w, Kind.SET_ATTR, {"name": name}, blobs=[blob])
+        blobs = [pickle_argument(list(values[sl]), f"values of set_attr({name!r})") for sl in self._slices]
+        self._pool.send_each(Kind.SET_ATTR, {w: ({"name": name}, (), [blob]) for w, blob in enumerate(blobs)})
         self._state = AsyncState.WAITING_CALL
         self._pool.gather(range(self.num_workers), "setting attributes", self.timeout)
         self._state = AsyncState.DEFAULT

@@ -14,6 +14,7 @@ import sys
 import time
 from typing import Protocol
 
+from clusterenv.cleanup import kill_tree
 from clusterenv.transport import SECRET_ENV_VAR
 
 __all__ = ["ExternalLauncher", "Launcher", "LocalLauncher", "resolve_launcher"]
@@ -84,23 +85,26 @@ class LocalLauncher:
         return f"worker {worker_id}" + ("" if process is None else f" (pid {process.pid})")
 
     def kill(self, worker_id: int) -> None:
-        """SIGKILL the worker (also when it is stopped) and reap it."""
+        """SIGKILL the worker (also when it is stopped) and its env processes, and reap it."""
         process = self.processes.pop(worker_id, None)
         if process is not None and process.poll() is None:
-            process.kill()
+            kill_tree(process.pid)  # with its env processes, which would otherwise outlive it
             process.wait()
 
     def stop(self, grace: float) -> None:
-        """Wait up to ``grace`` seconds for every child to exit, then kill the rest."""
+        """Wait up to ``grace`` seconds for every child to exit, then kill the rest (with their env processes)."""
         deadline = time.monotonic() + grace
+        late = []
         for process in self.processes.values():
             try:
                 process.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 if grace > 0:
                     logger.warning("Worker pid %d did not exit within %.1f s; killing it.", process.pid, grace)
-                process.kill()
-                process.wait()
+                late.append(process)
+        kill_tree(*(process.pid for process in late))
+        for process in late:
+            process.wait()
 
 
 class ExternalLauncher:

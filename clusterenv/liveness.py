@@ -9,10 +9,14 @@ from for ``interval * liveness`` seconds has expired:
 * the learner's :class:`HeartbeatMonitor` reports the worker in :meth:`~HeartbeatMonitor.expired`,
   which ``ClusterEnv`` checks while waiting for replies, so a dead, frozen (``SIGSTOP``)
   or partitioned worker is found even where no process exit status exists (remote hosts);
-* a worker's :class:`HeartbeatClient` reconnects with exponential backoff, as ppworker
-  does, and after ``max_reconnects`` silent attempts declares the learner lost: the
-  worker's serve loop then exits, and if the main thread is stuck in env code the
-  thread ends the process itself.
+* a worker's :class:`HeartbeatClient` is also its watchdog. A learner that is known to
+  be dead (a local worker's parent process is gone: at once; the learner's end of the
+  connection closed, as when its process died: after ``interval * liveness``) is lost.
+  One that is silent but still connected (a partition, or a learner whose heartbeat
+  thread is starved of the GIL) gets reconnects with exponential backoff, as ppworker
+  does, and is lost after ``max_reconnects`` silent attempts. The worker's serve loop
+  then exits; if its main thread is stuck in env code, the watchdog ends the process
+  and the env processes below it, without waiting for that thread.
 
 ZeroMQ sockets are not thread-safe, so each thread creates, uses and closes its socket
 itself; only the (thread-safe) context is shared.
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -29,7 +34,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
+from clusterenv.cleanup import kill_descendants
 from clusterenv.protocol import Kind
 from clusterenv.transport import Channel
 
@@ -39,6 +46,8 @@ logger = logging.getLogger(__name__)
 
 # Exit code of a worker that ended itself because its learner stopped answering.
 LEARNER_LOST_EXIT_CODE = 3
+# What a worker's heartbeat socket monitor reports: a connection made, lost, or failing to be made.
+_CONNECTION_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
 
 
 @dataclass(frozen=True)
@@ -51,9 +60,11 @@ class Heartbeat:
             declared lost after ``interval * liveness`` seconds of silence.
         reconnect_initial: a worker's first reconnect delay after the learner went silent.
         reconnect_max: cap of the exponentially growing reconnect delay.
-        max_reconnects: silent reconnects after which a worker gives up on its learner.
-            A worker thus outlives a dead learner by about
-            ``(1 + max_reconnects) * interval * liveness`` plus the backoff delays.
+        max_reconnects: silent reconnects after which a worker gives up on a learner that
+            stays connected but silent. A worker outlives a learner whose process died by
+            ``interval * liveness`` (a local worker: by a fraction of a second), and one
+            that is unreachable by about ``(1 + max_reconnects) * interval * liveness``
+            plus the backoff delays; its main thread, if stuck in env code, gets ~1 s more.
     """
 
     interval: float = 1.0
@@ -217,7 +228,7 @@ class HeartbeatMonitor:
 
 
 class HeartbeatClient:
-    """A worker's heartbeat thread (ppworker): beats, and notices a learner that went silent.
+    """A worker's heartbeat thread (ppworker) and watchdog: beats, and ends the worker once its learner is lost.
 
     Args:
         context: the worker's ZeroMQ context.
@@ -226,6 +237,8 @@ class HeartbeatClient:
         key: the shared HMAC secret.
         identity: this worker's routing identity.
         config: the heartbeat constants (from INIT, so both sides agree).
+        parent_pid: the learner's pid, for a worker that is its child: the learner is lost
+            as soon as this worker's parent is another process.
         exit_grace: seconds the main thread gets to exit by itself once the learner is lost,
             before this thread ends the process (an env step may never return).
     """
@@ -239,11 +252,13 @@ class HeartbeatClient:
         identity: bytes,
         config: Heartbeat,
         *,
-        exit_grace: float = 10.0,
+        parent_pid: int | None = None,
+        exit_grace: float = 1.0,
     ) -> None:
         self.config = config
         self.address = _connect_address(learner_address, endpoint)
         self._context, self._key, self._identity = context, key, identity
+        self._parent_pid = parent_pid
         self._exit_grace = exit_grace
         self.learner_lost = threading.Event()
         self._stop = threading.Event()
@@ -256,20 +271,34 @@ class HeartbeatClient:
         if threading.current_thread() is not self._thread:
             self._thread.join()
 
-    def _connect(self) -> Channel:
+    def _connect(self) -> tuple[Channel, zmq.Socket]:
+        """The heartbeat channel, and a monitor of its connection (which tells a dead learner from a silent one)."""
         channel = Channel.connect_dealer(self._context, self.address, self._key, self._identity)
         channel.socket.setsockopt(zmq.SNDTIMEO, 0)  # never block on a learner that stopped reading
-        return channel
+        monitor = channel.socket.get_monitor_socket(_CONNECTION_EVENTS)
+        return channel, monitor
+
+    @staticmethod
+    def _disconnect(channel: Channel, monitor: zmq.Socket) -> None:
+        channel.socket.disable_monitor()
+        monitor.close(linger=0)
+        channel.close()
 
     def _run(self) -> None:
         config = self.config
-        channel = self._connect()
+        channel, monitor = self._connect()
+        # The learner's end of the connection, as the monitor last reported it. Assumed up until
+        # then: only a learner known to be gone is given up on without reconnects.
+        connected = True
         delay = config.reconnect_initial
         reconnects = 0
         expires = time.monotonic() + config.expiry
         next_beat = time.monotonic()
         try:
             while not self._stop.is_set():
+                if self._parent_pid is not None and os.getppid() != self._parent_pid:
+                    self._give_up(f"The learner process {self._parent_pid} is gone")
+                    return
                 now = time.monotonic()
                 if now >= next_beat:
                     try:
@@ -278,14 +307,24 @@ class HeartbeatClient:
                         pass  # queue full: the learner is not reading, which its silence will show
                     next_beat = now + config.interval
                 received = channel.recv(min(0.1, max(0.0, next_beat - time.monotonic())), routed=False)
+                connected = _still_connected(monitor, connected)
                 if received is not None and received[1].kind is Kind.HEARTBEAT:
                     expires = time.monotonic() + config.expiry
                     delay, reconnects = config.reconnect_initial, 0
                     continue
                 if time.monotonic() < expires:
                     continue
+                if not connected:
+                    self._give_up(
+                        f"The learner at {self.address} has been silent for {config.expiry:.1f} s and its "
+                        "end of the connection is closed"
+                    )
+                    return
                 if reconnects >= config.max_reconnects:
-                    self._give_up()
+                    self._give_up(
+                        f"The learner at {self.address} has not answered heartbeats after {config.max_reconnects} "
+                        "reconnects"
+                    )
                     return
                 logger.warning(
                     "No heartbeat from the learner at %s for %.1f s; reconnecting in %.1f s.",
@@ -293,23 +332,49 @@ class HeartbeatClient:
                     config.expiry,
                     delay,
                 )
-                channel.close()
+                self._disconnect(channel, monitor)
                 if self._stop.wait(delay):
                     return
-                channel = self._connect()
+                channel, monitor = self._connect()
+                connected = True
                 reconnects += 1
                 delay = min(2 * delay, config.reconnect_max)
                 expires = time.monotonic() + config.expiry
         finally:
-            channel.close()
+            if not monitor.closed:
+                self._disconnect(channel, monitor)
 
-    def _give_up(self) -> None:
-        logger.error(
-            "The learner at %s has not answered heartbeats after %d reconnects; stopping this worker.",
-            self.address,
-            self.config.max_reconnects,
-        )
+    def _give_up(self, reason: str) -> None:
+        """Tell the main loop to stop; if it does not within ``exit_grace`` (stuck in env code), end the process."""
+        logger.error("%s; stopping this worker.", reason)
         self.learner_lost.set()
-        if not self._stop.wait(self._exit_grace):
-            logger.error("The worker's main loop did not stop within %.1f s; exiting the process.", self._exit_grace)
-            os._exit(LEARNER_LOST_EXIT_CODE)
+        if self._stop.wait(self._exit_grace):
+            return
+        logger.error(
+            "The worker's main thread did not stop within %.1f s (an env step that does not return?); "
+            "ending the process and its env processes.",
+            self._exit_grace,
+        )
+        # The envs cannot be closed from this thread while the main thread is inside one, and the
+        # processes they started would outlive the worker (re-parented): they are killed instead.
+        # Sockets and mappings go with the process.
+        kill_descendants(os.getpid())
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(LEARNER_LOST_EXIT_CODE)
+
+
+def _still_connected(monitor: zmq.Socket, connected: bool) -> bool:
+    """The connection state after the monitor's pending events (a failed reconnect counts as closed)."""
+    while True:
+        try:
+            event = recv_monitor_message(monitor, zmq.NOBLOCK)["event"]
+        except zmq.Again:
+            return connected
+        if event == zmq.EVENT_CONNECTED:
+            connected = True
+        elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CONNECT_RETRIED):
+            connected = False

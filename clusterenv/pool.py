@@ -31,19 +31,20 @@ import pickle
 import secrets
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import zmq
 
+from clusterenv.cleanup import remove_stale_dirs
 from clusterenv.errors import RemoteEnvError, WorkerLostError, WorkerStartError, WorkerTimeoutError
 from clusterenv.launch import Launcher, resolve_launcher
 from clusterenv.liveness import Heartbeat, HeartbeatMonitor, heartbeat_address
 from clusterenv.protocol import Kind, Message
 from clusterenv.transport import Channel, is_loopback, resolve_secret
 
-__all__ = ["WorkerPool", "weak_callback"]
+__all__ = ["Command", "WorkerPool", "weak_callback"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,8 @@ _CLOSE_LINGER_MS = 500
 _REPLAYABLE = (Kind.RESET, Kind.CALL, Kind.SET_ATTR)
 # Commands whose interruption the caller reports itself (a step: the episode was cut).
 _INTERRUPTIBLE = frozenset({Kind.STEP})
+#: One worker's command: ``(meta, arrays, blobs)``.
+Command = tuple[dict[str, Any] | None, Sequence[np.ndarray], Sequence[bytes]]
 
 
 class WorkerPool:
@@ -106,6 +109,7 @@ class WorkerPool:
             )
         if bind is None and getattr(self.launcher, "requires_tcp", False):
             bind = "tcp://127.0.0.1:*"  # workers connect from other processes that Ray starts, on this host
+        remove_stale_dirs()  # of learners that were killed: a learner starting is when someone is there to do it
         self._context = zmq.Context()
         self._channel = Channel.bind_router(self._context, bind, key or secrets.token_hex(32).encode())
         self.address = self._channel.endpoint
@@ -252,17 +256,29 @@ class WorkerPool:
         blobs: Sequence[bytes] = (),
     ) -> None:
         """Send one command of the current call to worker ``worker_id``."""
-        self._last_sent[worker_id] = (kind, meta, arrays, blobs)  # replayed to a replacement worker
-        try:
-            self._channel.send(
-                kind, {**(meta or {}), "seq": self.seq}, list(arrays), list(blobs), to=self._identities[worker_id]
-            )
-        except zmq.ZMQError as exc:
-            if self.on_worker_failure == "restart" and not self._recovering:
-                logger.warning("Worker %d is unreachable (%s); it will be replaced.", worker_id, exc)
-                self._failed.add(worker_id)
-                return
-            raise self._lost(worker_id, f"sending {kind.name}") from exc
+        self.send_each(kind, {worker_id: (meta, arrays, blobs)})
+
+    def send_each(self, kind: Kind, commands: Mapping[int, Command]) -> None:
+        """Send one command of the current call to each worker in ``commands`` (``{worker_id: (meta, arrays, blobs)}``).
+
+        All or nothing: every message is encoded before the first one leaves, so a value
+        that cannot travel raises while no worker has received anything. (A reset that
+        reached some workers only would silently desynchronize the envs.)
+        """
+        encoded = [
+            (w, self._channel.frames(kind, {**(meta or {}), "seq": self.seq}, list(arrays), list(blobs)))
+            for w, (meta, arrays, blobs) in commands.items()
+        ]
+        for (worker_id, frames), (meta, arrays, blobs) in zip(encoded, commands.values(), strict=True):
+            self._last_sent[worker_id] = (kind, meta, arrays, blobs)  # replayed to a replacement worker
+            try:
+                self._channel.send_frames(frames, to=self._identities[worker_id])
+            except zmq.ZMQError as exc:
+                if self.on_worker_failure == "restart" and not self._recovering:
+                    logger.warning("Worker %d is unreachable (%s); it will be replaced.", worker_id, exc)
+                    self._failed.add(worker_id)
+                    continue
+                raise self._lost(worker_id, f"sending {kind.name}") from exc
 
     def gather(
         self,
@@ -457,10 +473,15 @@ class WorkerPool:
         self.close(terminate=terminate)
 
     def close(self, grace: float = 5.0, terminate: bool = False) -> None:
-        """Ask workers to exit (after closing their envs); kill those that do not within ``grace`` seconds."""
+        """Ask workers to exit (after closing their envs); kill those that do not within ``grace`` seconds.
+
+        ``grace`` bounds the whole wait: confirming CLOSE and then waiting for the processes
+        to exit share it, so a worker that ignores CLOSE costs one grace period, not two.
+        """
         if self.closed:
             return
         self.closed = True
+        deadline = time.monotonic() + grace
         # Also on terminate: workers this process cannot kill (external, remote) must hear it.
         # Without blocking: a frozen worker's full queue must not hang close().
         self._channel.socket.setsockopt(zmq.SNDTIMEO, 0)
@@ -471,14 +492,13 @@ class WorkerPool:
             except zmq.ZMQError:
                 pass  # already gone
         if not terminate:
-            self._await_closed(grace)
-        self.launcher.stop(0.0 if terminate else grace)
+            self._await_closed(deadline)
+        self.launcher.stop(0.0 if terminate else max(0.0, deadline - time.monotonic()))
         self._finalizer()
 
-    def _await_closed(self, grace: float) -> None:
-        """Wait up to ``grace`` seconds for CLOSED from every worker not known to be gone."""
+    def _await_closed(self, deadline: float) -> None:
+        """Wait until ``deadline`` (``time.monotonic()``) for CLOSED from every worker not known to be gone."""
         pending = set(self._identities)
-        deadline = time.monotonic() + grace
         while pending and time.monotonic() < deadline:
             received = self._channel.recv(LIVENESS_POLL_S, routed=True)
             if received is not None:
@@ -488,6 +508,8 @@ class WorkerPool:
                 continue
             expired = self._monitor.expired()
             pending = {w for w in pending if w not in expired and self.launcher.exit_code(w) is None}
+        if pending:
+            logger.warning("Workers %s did not confirm CLOSE within the grace period; ending them.", sorted(pending))
 
 
 def weak_callback(method: Callable[..., None]) -> Callable[..., None]:

@@ -36,6 +36,7 @@ from clusterenv.errors import AuthenticationError, ProtocolError
 __all__ = [
     "COALESCE_BYTES",
     "MAX_HEADER_BYTES",
+    "MAX_HEADER_INT",
     "PROTOCOL_VERSION",
     "ROLLOUT_FIELDS",
     "Kind",
@@ -48,6 +49,8 @@ __all__ = [
 
 PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 64 * 1024
+#: The largest integer a header can carry (msgpack's uint64); the smallest is -2**63.
+MAX_HEADER_INT = 2**64 - 1
 MAC_BYTES = 32
 _MAX_NDIM = 32
 # Messages smaller than this travel as one frame: each ZeroMQ frame costs ~8 µs a round trip.

@@ -9,10 +9,11 @@ Only the signalling changes nothing: commands and replies (actions, rewards, fla
 infos) still travel on ZeroMQ, and a reply means the slice is written.
 
 The file lives in a fresh ``0700`` directory (on ``/dev/shm`` where it exists) and is
-unlinked as soon as the workers have mapped it, so nothing is left behind even if the
-learner is killed. A random token at its start proves to a worker that it opened the
-learner's file (not a same-named one on another host); a worker that cannot map it
-says so and keeps sending its observations as frames.
+unlinked as soon as the workers have mapped it; one left by a learner killed before
+that is removed by the next learner to start (see ``cleanup``). A random token at its
+start proves to a worker that it opened the learner's file (not a same-named one on
+another host); a worker that cannot map it says so and keeps sending its observations
+as frames.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ import mmap
 import os
 import secrets
 import shutil
-import tempfile
+import weakref
 from typing import Any
 
 import numpy as np
 from gymnasium import spaces
 
 from clusterenv.batching import is_array_tree, leaf_specs, unflatten
+from clusterenv.cleanup import scratch_dir, shared_memory_base
 
 __all__ = ["SHARED_OBS_MIN_BYTES", "SharedObservations", "attach", "bytes_per_env"]
 
@@ -74,9 +76,9 @@ class SharedObservations:
             raise TypeError(f"Space {space} has no fixed array form; it cannot be shared.")
         self._leaves, size = _layout(space, num_envs)
         self._token = secrets.token_bytes(_TOKEN_BYTES)
-        base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-        self._dir: str | None = tempfile.mkdtemp(prefix="clusterenv-obs-", dir=base)  # mode 0700
-        self.path = os.path.join(self._dir, "observations")
+        directory = scratch_dir("obs", shared_memory_base())  # mode 0700
+        self._remove_dir = weakref.finalize(self, shutil.rmtree, directory, ignore_errors=True)
+        self.path = os.path.join(directory, "observations")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)
@@ -100,9 +102,7 @@ class SharedObservations:
 
     def unlink(self) -> None:
         """Remove the file; the mappings stay valid. Later workers (replacements) use frames."""
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
+        self._remove_dir()
 
 
 def attach(meta: dict[str, Any], space: spaces.Space) -> Any | None:

@@ -13,8 +13,8 @@ import logging
 import os
 import secrets
 import shutil
-import tempfile
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 import numpy as np
 import zmq
 
+from clusterenv.cleanup import scratch_dir
 from clusterenv.errors import ProtocolError
 from clusterenv.protocol import Kind, Message, coalesce, decode, encode, split
 
@@ -90,7 +91,7 @@ class Channel:
     socket: zmq.Socket
     key: bytes
     cover_arrays: bool
-    _tmpdir: str | None = field(default=None, repr=False)
+    _remove_tmpdir: weakref.finalize | None = field(default=None, repr=False)
     # The receive timeout currently set on the socket (ms, -1 = forever), to set it only when it changes.
     _rcvtimeo: int | None = field(default=None, repr=False)
 
@@ -99,7 +100,7 @@ class Channel:
         """Bind the learner's ROUTER; ``address=None`` means a fresh private ``ipc://`` path."""
         tmpdir = None
         if address is None:
-            tmpdir = tempfile.mkdtemp(prefix="clusterenv-")  # mode 0700: only this user can connect
+            tmpdir = scratch_dir()  # mode 0700: only this user can connect
             address = f"ipc://{tmpdir}/learner.sock"
         socket = context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
@@ -112,7 +113,11 @@ class Channel:
             if tmpdir:
                 shutil.rmtree(tmpdir, ignore_errors=True)
             raise OSError(f"Cannot bind the learner socket to {address!r}: {exc}") from exc
-        return cls(socket, key, cover_arrays=not address.startswith("ipc://"), _tmpdir=tmpdir)
+        channel = cls(socket, key, cover_arrays=not address.startswith("ipc://"))
+        if tmpdir:
+            # Also at interpreter exit, for a channel never closed; a killed learner's is removed by the next one.
+            channel._remove_tmpdir = weakref.finalize(channel, shutil.rmtree, tmpdir, ignore_errors=True)
+        return channel
 
     @classmethod
     def connect_dealer(cls, context: zmq.Context, address: str, key: bytes, identity: bytes) -> Channel:
@@ -139,7 +144,20 @@ class Channel:
         to: bytes | None = None,
     ) -> None:
         """Send one message (to ``to`` on a ROUTER)."""
-        frames = coalesce(encode(kind, meta, arrays, blobs, key=self.key, cover_arrays=self.cover_arrays))
+        self.send_frames(self.frames(kind, meta, arrays, blobs), to=to)
+
+    def frames(
+        self,
+        kind: Kind,
+        meta: dict[str, Any] | None = None,
+        arrays: list[np.ndarray] | tuple[np.ndarray, ...] = (),
+        blobs: list[bytes] | tuple[bytes, ...] = (),
+    ) -> list[Any]:
+        """One message encoded for this channel, for :meth:`send_frames`: encoding errors raise here, before sending."""
+        return coalesce(encode(kind, meta, arrays, blobs, key=self.key, cover_arrays=self.cover_arrays))
+
+    def send_frames(self, frames: list[Any], *, to: bytes | None = None) -> None:
+        """Send a message encoded by :meth:`frames` (to ``to`` on a ROUTER)."""
         socket = self.socket
         if to is not None:
             socket.send(to, zmq.SNDMORE)
@@ -197,5 +215,5 @@ class Channel:
     def close(self, linger: int = 0) -> None:
         """Close the socket (keeping unsent messages up to ``linger`` ms) and remove the private ipc directory."""
         self.socket.close(linger=linger)
-        if self._tmpdir:
-            shutil.rmtree(self._tmpdir, ignore_errors=True)
+        if self._remove_tmpdir is not None:
+            self._remove_tmpdir()

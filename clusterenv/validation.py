@@ -6,7 +6,7 @@ wrong and what was expected, in Gymnasium's wording where Gymnasium has one.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import cloudpickle
@@ -14,13 +14,16 @@ import numpy as np
 from gymnasium import Env, spaces
 
 from clusterenv.batching import leaf_arrays
+from clusterenv.protocol import MAX_HEADER_INT
 
 __all__ = [
     "check_actions",
+    "check_attribute_name",
     "check_batch_size",
     "check_env_fns",
     "check_num_workers",
     "check_reset_mask",
+    "check_reset_options",
     "check_seconds",
     "check_seeds",
     "pickle_argument",
@@ -105,13 +108,27 @@ def check_batch_size(batch_size: Any, num_envs: int, num_workers: int) -> int:
 
 
 def check_seeds(seed: Any, num_envs: int) -> list[int | None]:
-    """One seed per env, as ``SyncVectorEnv.reset`` derives them, or a clear error."""
+    """One seed per env, as ``SyncVectorEnv.reset`` derives them, or a clear error.
+
+    Seeds must be valid for Gymnasium's ``np_random`` (non-negative) and fit in a message
+    header (at most ``2**64 - 1``), for every env: ``seed=n`` gives env ``i`` the seed ``n + i``.
+    """
     if isinstance(seed, np.ndarray):
         seed = seed.tolist()
     if seed is None:
         return [None] * num_envs
     if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
-        return [int(seed) + i for i in range(num_envs)]
+        seed = int(seed)
+        if seed < 0:
+            raise ValueError(
+                f"`seed` must be a non-negative integer (Gymnasium's `np_random` requires it), got {seed}."
+            )
+        if seed + num_envs - 1 > MAX_HEADER_INT:
+            raise ValueError(
+                f"`seed` must be at most 2**64 - {num_envs} = {MAX_HEADER_INT - num_envs + 1} for {num_envs} envs "
+                f"(env i gets `seed + i`, and no seed above 2**64 - 1 can be sent to a worker), got {seed}."
+            )
+        return [seed + i for i in range(num_envs)]
     if isinstance(seed, (str, bytes)) or not isinstance(seed, Sequence):
         raise TypeError(
             f"`seed` must be an int, a list of int or None (one per env), or None, got {type(seed).__name__}."
@@ -123,7 +140,30 @@ def check_seeds(seed: Any, num_envs: int) -> list[int | None]:
     for i, value in enumerate(seed):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
             raise TypeError(f"`seed[{i}]` must be an int or None, got {type(value).__name__} ({value!r}).")
+        if value is not None and not 0 <= value <= MAX_HEADER_INT:
+            raise ValueError(
+                f"`seed[{i}]` must be between 0 (Gymnasium's `np_random` requires it) and 2**64 - 1 (the largest "
+                f"seed that can be sent to a worker), got {value}."
+            )
     return [None if value is None else int(value) for value in seed]
+
+
+def check_reset_options(options: Any, num_envs: int) -> tuple[dict[str, Any] | None, np.ndarray | None]:
+    """``reset``'s ``options`` split into the options the envs get and the checked ``reset_mask`` (or None)."""
+    if options is None:
+        return None, None
+    if not isinstance(options, Mapping):
+        raise TypeError(f"`options` must be a dict or None, got {type(options).__name__} ({options!r}).")
+    options = dict(options)
+    mask = check_reset_mask(options.pop("reset_mask"), num_envs) if "reset_mask" in options else None
+    return options, mask
+
+
+def check_attribute_name(name: Any) -> str:
+    """The name given to ``call``/``get_attr``/``set_attr``: a string, as ``getattr`` requires."""
+    if not isinstance(name, str):
+        raise TypeError(f"The attribute name must be a string, got {type(name).__name__} ({name!r}).")
+    return name
 
 
 def check_reset_mask(reset_mask: Any, num_envs: int) -> np.ndarray:

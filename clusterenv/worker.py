@@ -26,6 +26,7 @@ import cloudpickle
 import numpy as np
 import zmq
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
+from gymnasium.vector.utils import concatenate, create_empty_array
 
 from clusterenv import shared_obs
 from clusterenv.batching import InfoRecord, is_array_tree, leaf_arrays, unflatten
@@ -70,6 +71,17 @@ class _RecordingVectorEnv(SyncVectorEnv):
         """The current per-env observations, for spaces without a fixed array form."""
         return self._env_obs
 
+    def misfit_observation(self) -> int | None:
+        """The first env whose current observation does not batch into the observation space, if any."""
+        space = self.single_observation_space
+        out: Any = create_empty_array(space, n=1)
+        for i, obs in enumerate(self._env_obs):
+            try:
+                concatenate(space, [obs], out)
+            except Exception:
+                return i
+        return None
+
     def autoresetting(self) -> np.ndarray:
         """Under NEXT_STEP, which envs' next step is an autoreset step (a copy)."""
         return self._autoreset_envs.copy()
@@ -87,14 +99,27 @@ class _RecordingVectorEnv(SyncVectorEnv):
 
 
 def _failing_env_index(exc: BaseException) -> int | None:
-    """The local index of the env that raised, read from the loop variables of the frames it passed."""
+    """The local index of the env that raised, read from the loop variables of the frames it passed.
+
+    After its loop, ``SyncVectorEnv.step``/``reset`` batch the observations with ``concatenate``,
+    which raises on one that does not fit the observation space; the loop variable then
+    names the last env, so the env whose observation does not fit is looked for instead.
+    """
     index_loops = {SyncVectorEnv.step.__code__, SyncVectorEnv.reset.__code__, _make_envs.__code__}
     env_loops = {SyncVectorEnv.call.__code__, SyncVectorEnv.set_attr.__code__}
     index = None
+    caller: _RecordingVectorEnv | None = None  # whose step/reset frame was just passed
     for frame, _ in traceback.walk_tb(exc.__traceback__):
         local = frame.f_locals
+        module = frame.f_globals.get("__name__")
+        if caller is not None and module == concatenate.__module__:
+            return caller.misfit_observation()
+        if module != "functools":  # singledispatch's wrapper stands between the loop and concatenate
+            caller = None
         if frame.f_code in index_loops and isinstance(local.get("i"), int):
             index = local["i"]
+            if isinstance(local.get("self"), _RecordingVectorEnv):
+                caller = local["self"]
         elif frame.f_code in env_loops and isinstance(local.get("self"), SyncVectorEnv):
             index = next((i for i, env in enumerate(local["self"].envs) if env is local.get("env")), index)
     return index
@@ -277,6 +302,14 @@ def _identity(value: Any) -> Any:
     return value
 
 
+def _close_quietly(worker: Worker) -> None:
+    """Close the envs of a worker whose learner is gone: nobody is left to report a failure to."""
+    try:
+        worker.close()
+    except Exception:
+        logger.warning("Closing the envs failed.", exc_info=True)
+
+
 def _error_meta(env_index: int | None, exc_type: str, message: str, tb: str) -> dict[str, Any]:
     return {"env_index": env_index, "exc_type": exc_type, "message": message, "traceback": tb}
 
@@ -326,10 +359,12 @@ def serve(
         while True:
             msg = mailbox.take(IDLE_CHECK_INTERVAL_S)
             if heart is not None and heart.learner_lost.is_set():
+                _close_quietly(worker)  # while the watchdog waits: if closing hangs, it ends the process
                 return LEARNER_LOST_EXIT_CODE
             if msg is None:
                 if parent_pid is not None and os.getppid() != parent_pid:
                     logger.warning("Worker %d: learner process %d is gone; exiting.", worker.worker_id, parent_pid)
+                    _close_quietly(worker)
                     return LEARNER_LOST_EXIT_CODE
                 if heart is None and join_deadline is not None and time.monotonic() > join_deadline:
                     logger.error("No learner at %s sent work within %.1f s; exiting.", address, join_timeout)
@@ -340,7 +375,8 @@ def serve(
                 if "heartbeat" in msg.meta:
                     # Started before the envs are built: building them may take long.
                     config = Heartbeat(**msg.meta["heartbeat"])
-                    heart = HeartbeatClient(context, address, msg.meta["heartbeat_endpoint"], key, identity, config)
+                    endpoint = msg.meta["heartbeat_endpoint"]
+                    heart = HeartbeatClient(context, address, endpoint, key, identity, config, parent_pid=parent_pid)
             if msg.kind is Kind.CLOSE:
                 worker.close()
                 channel.send(Kind.CLOSED)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
@@ -135,6 +137,55 @@ class SlowEnv(gym.Env):
     def step(self, action):
         time.sleep(self.delay)
         return np.zeros(2, np.float32), 0.0, False, False, {}
+
+
+class StuckEnv(gym.Env):
+    """Starts a helper process, as a simulator would, and never returns from ``step`` (well, after ``delay`` s).
+
+    ``step`` first creates the file ``started``, so that a test knows the worker is inside it.
+    """
+
+    observation_space = spaces.Box(-1, 1, (2,), np.float32)
+    action_space = spaces.Discrete(2)
+
+    def __init__(self, delay: float = 600.0, started: str | None = None) -> None:
+        self.delay, self.started = delay, started
+        self.helper = subprocess.Popen(["sleep", "600"], stdin=subprocess.DEVNULL)
+        self.helper_pid = self.helper.pid
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        if self.started is not None:
+            Path(self.started).touch()
+        time.sleep(self.delay)
+        return np.zeros(2, np.float32), 0.0, False, False, {}
+
+    def close(self) -> None:
+        self.helper.kill()
+        self.helper.wait()
+
+
+class WrongShapeObsEnv(gym.Env):
+    """Returns an observation one element too long from ``bad_in`` (``"reset"`` or ``"step"``), else fits its space."""
+
+    observation_space = spaces.Box(-1, 1, (2,), np.float32)
+    action_space = spaces.Discrete(2)
+
+    def __init__(self, bad_in: str | None = None) -> None:
+        self.bad_in = bad_in
+
+    def _obs(self, where: str) -> np.ndarray:
+        return np.zeros(3 if where == self.bad_in else 2, np.float32)
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        return self._obs("reset"), {}
+
+    def step(self, action):
+        return self._obs("step"), 0.0, False, False, {}
 
 
 class BrokenInitEnv(gym.Env):

@@ -6,6 +6,7 @@ import functools
 import pickle
 import re
 import threading
+from contextlib import closing
 
 import gymnasium as gym
 import numpy as np
@@ -16,7 +17,7 @@ from gymnasium.vector import SyncVectorEnv
 import clusterenv
 from clusterenv import ClusterEnv, RemoteEnvError
 from tests.conftest import assert_same, child_pids, pid_alive, wait_until
-from tests.envs import BrokenInitEnv, FailingEnv, FailingResetEnv, RichSpacesEnv
+from tests.envs import BrokenInitEnv, FailingEnv, FailingResetEnv, RichSpacesEnv, WrongShapeObsEnv
 
 CARTPOLE = functools.partial(gym.make, "CartPole-v1")
 
@@ -195,6 +196,109 @@ def test_rejected_input_leaves_the_envs_untouched():
         actions = np.array([1, 0, 1])
         assert_same(reference.step(actions), envs.step(actions))
     reference.close()
+
+
+@pytest.fixture(scope="module")
+def lockstep():
+    """A ClusterEnv (envs 0-1 on worker 0, env 2 on worker 1) and a SyncVectorEnv, to run side by side."""
+    with ClusterEnv([CARTPOLE] * 3, num_workers=2) as envs, closing(SyncVectorEnv([CARTPOLE] * 3)) as reference:
+        yield envs, reference
+
+
+REJECTED_COMMANDS = {
+    "negative seed": (
+        lambda envs: envs.reset(seed=-1),
+        ValueError,
+        "`seed` must be a non-negative integer (Gymnasium's `np_random` requires it), got -1.",
+    ),
+    "negative numpy seed": (
+        lambda envs: envs.reset(seed=np.int64(-3)),
+        ValueError,
+        "`seed` must be a non-negative integer (Gymnasium's `np_random` requires it), got -3.",
+    ),
+    "seed + 2 beyond the wire": (
+        lambda envs: envs.reset(seed=2**64 - 2),
+        ValueError,
+        "`seed` must be at most 2**64 - 3 = 18446744073709551613 for 3 envs (env i gets `seed + i`, and no seed "
+        "above 2**64 - 1 can be sent to a worker), got 18446744073709551614.",
+    ),
+    "negative seed in a list": (
+        lambda envs: envs.reset(seed=[0, 1, -5]),
+        ValueError,
+        "`seed[2]` must be between 0 (Gymnasium's `np_random` requires it) and 2**64 - 1 (the largest seed that "
+        "can be sent to a worker), got -5.",
+    ),
+    "list seed beyond the wire": (
+        lambda envs: envs.reset(seed=[0, 1, 2**64]),
+        ValueError,
+        "`seed[2]` must be between 0 (Gymnasium's `np_random` requires it) and 2**64 - 1 (the largest seed that "
+        "can be sent to a worker), got 18446744073709551616.",
+    ),
+    "seed list too short": (
+        lambda envs: envs.reset(seed=[1, 2]),
+        ValueError,
+        "If seeds are passed as a list the length must match num_envs=3 but got length=2.",
+    ),
+    "options not a dict": (
+        lambda envs: envs.reset(options="fast"),
+        TypeError,
+        "`options` must be a dict or None, got str ('fast').",
+    ),
+    "unpicklable options": (
+        lambda envs: envs.reset(options={"lock": threading.Lock()}),
+        TypeError,
+        "The `options` of reset cannot be pickled to send to workers: cannot pickle '_thread.lock' object",
+    ),
+    "reset_mask of the wrong length": (
+        lambda envs: envs.reset(options={"reset_mask": np.array([True, False])}),
+        ValueError,
+        "`options['reset_mask']` must have shape `(3,)`, got (2,)",
+    ),
+    "action outside the space": (
+        lambda envs: envs.step(np.array([0, 1, 2])),
+        ValueError,
+        "Action 2 is outside Discrete(2) (valid values 0..1).",
+    ),
+    "call of a name that is not a string": (
+        lambda envs: envs.call(7),
+        TypeError,
+        "The attribute name must be a string, got int (7).",
+    ),
+    "unpicklable call arguments": (
+        lambda envs: envs.call("render", threading.Lock()),
+        TypeError,
+        "The arguments of call('render') cannot be pickled to send to workers: cannot pickle '_thread.lock' object",
+    ),
+    "set_attr of a name that is not a string": (
+        lambda envs: envs.set_attr(b"marker", 1),
+        TypeError,
+        "The attribute name must be a string, got bytes (b'marker').",
+    ),
+    "set_attr value for worker 1 that cannot travel": (
+        lambda envs: envs.set_attr("marker", [1, 1, threading.Lock()]),
+        TypeError,
+        "The values of set_attr('marker') cannot be pickled to send to workers: cannot pickle '_thread.lock' object",
+    ),
+}
+
+
+@pytest.mark.parametrize(("command", "error", "message"), REJECTED_COMMANDS.values(), ids=REJECTED_COMMANDS)
+def test_rejected_command_reaches_no_worker(lockstep, command, error, message):
+    """Everything is checked and encoded before the first send: the envs stay open, and exactly where SyncVectorEnv's are."""
+    envs, reference = lockstep
+    assert not envs.closed, "an earlier rejected command closed the env"
+    for vector_env in (envs, reference):
+        vector_env.set_attr("marker", 0)
+    assert_same(envs.reset(seed=3), reference.reset(seed=3))
+    assert_same(envs.step(np.array([1, 0, 1])), reference.step(np.array([1, 0, 1])))
+    with pytest.raises(error, match=re.escape(message)):
+        command(envs)
+    assert not envs.closed
+    assert envs.get_attr("marker") == (0, 0, 0)
+    for t in range(3):
+        actions = np.array([t % 2, 1, 0])
+        assert_same(envs.step(actions), reference.step(actions))
+    assert_same(envs.reset(seed=5), reference.reset(seed=5))
 
 
 # -- reset -------------------------------------------------------------------------------------
@@ -532,6 +636,25 @@ def test_env_exception_is_reraised_with_index_worker_and_traceback(fail_at, wher
     with pytest.raises(ClosedEnvironmentError):
         envs.step(np.zeros(3, dtype=np.int64))
     envs.close()
+
+
+WRONG_SHAPES = {
+    "step, env 0 of 2": ("step", 0),
+    "step, env 1 of 2": ("step", 1),
+    "reset, env 0 of 2": ("reset", 0),
+}
+
+
+@pytest.mark.parametrize(("where", "bad_env"), WRONG_SHAPES.values(), ids=WRONG_SHAPES)
+def test_observation_of_the_wrong_shape_is_blamed_on_the_env_that_returned_it(where, bad_env):
+    env_fns = [functools.partial(WrongShapeObsEnv, where if i == bad_env else None) for i in range(2)]
+    with ClusterEnv(env_fns, num_workers=1) as envs:
+        with pytest.raises(RemoteEnvError) as caught:
+            envs.reset(seed=0)
+            envs.step(np.zeros(2, dtype=np.int64))
+    doing = "stepping" if where == "step" else "resetting"
+    assert caught.value.env_index == bad_env
+    assert str(caught.value).startswith(f"env {bad_env} on worker 0 raised ValueError while {doing}: ")
 
 
 def test_remote_env_error_survives_pickling():

@@ -105,8 +105,7 @@ def test_recv_returns_the_workers_that_are_ready_first():
     slow, fast = functools.partial(SlowCartPole, 1.5), functools.partial(SlowCartPole, 0.0)
     with ClusterEnv([slow] * 2 + [fast] * 6, num_workers=4, batch_size=2) as envs:
         envs.async_reset(seed=0)
-        for _ in range(4):
-            _, _, _, _, _, env_ids = envs.recv()
+        for env_ids in [envs.recv()[-1] for _ in range(4)]:  # every reset first, then every step
             envs.send(np.zeros(2, dtype=np.int64), env_ids)
         firsts = [envs.recv()[-1].tolist() for _ in range(3)]
         assert [0, 1] not in firsts, "worker 0 sleeps 1.5 s per step; the others are ready long before"

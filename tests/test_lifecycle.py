@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import functools
 import gc
+import glob
+import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -24,8 +28,9 @@ import pytest
 from gymnasium.error import ClosedEnvironmentError
 
 from clusterenv import ClusterEnv, ClusterEnvError, RemoteEnvError, WorkerLostError, WorkerTimeoutError
+from clusterenv.cleanup import remove_stale_dirs, scratch_dir
 from tests.conftest import child_pids, pid_alive, wait_until
-from tests.envs import FailingEnv, SlowEnv
+from tests.envs import FailingEnv, SlowEnv, StuckEnv
 
 CARTPOLE = functools.partial(gym.make, "CartPole-v1")
 ACTIONS = np.zeros(4, dtype=np.int64)
@@ -125,6 +130,109 @@ def test_learner_killed_with_sigkill_takes_its_workers_with_it(tmp_path):
         learner.kill()
         learner.wait()
         learner.stdout.close()
+
+
+LEARNER_MID_STEP = textwrap.dedent(
+    """
+    import functools, json, sys, time
+    import numpy as np
+    from clusterenv import ClusterEnv
+    from clusterenv.liveness import Heartbeat
+    from tests.envs import StuckEnv
+
+    started, bind, launcher = sys.argv[1], sys.argv[2] or None, sys.argv[3]
+    envs = ClusterEnv(
+        [functools.partial(StuckEnv, 600.0, started)] * 2,
+        num_workers=1,
+        heartbeat=Heartbeat(interval=0.2, liveness=15),
+        bind=bind,
+        launcher=launcher,
+        secret="{secret}",
+        timeout=None,
+    )
+    envs.reset(seed=0)
+    print(json.dumps({{"worker": envs.worker_info[0]["pid"], "helpers": envs.get_attr("helper_pid")}}), flush=True)
+    envs.step_async(np.zeros(2, dtype=np.int64))
+    time.sleep(600)
+    """
+)
+MID_STEP_EXPIRY = 3.0  # Heartbeat(interval=0.2, liveness=15)
+SECRET = "a-test-secret-of-32-characters!!"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def scratch_dirs_of(pid: int) -> set[str]:
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), f"clusterenv-{pid}-*")))
+
+
+@pytest.mark.parametrize("launcher", ["local", "external"])
+def test_learner_killed_mid_step_ends_its_worker_within_the_heartbeat_expiry(launcher, tmp_path):
+    """The worker's watchdog does not need its main thread, stuck in a 600 s step: the worker and
+    the processes its envs started are gone within about the heartbeat expiry (36 s before).
+
+    A local worker sees its parent die; an external one (no parent to watch) sees the learner's end
+    of the heartbeat connection close. The learner's ipc directories go when the next learner starts.
+    """
+    started = tmp_path / "stepping"
+    bind = f"ipc://{tmp_path}/learner.sock" if launcher == "external" else ""
+    script = LEARNER_MID_STEP.format(secret=SECRET)
+    learner = subprocess.Popen(
+        [sys.executable, "-c", script, str(started), bind, launcher], stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    worker = None
+    if launcher == "external":
+        env = {**os.environ, "CLUSTERENV_SECRET": SECRET, "PYTHONPATH": ROOT}
+        worker = subprocess.Popen([sys.executable, "-m", "clusterenv.worker", "--connect", bind], env=env, cwd=ROOT)
+    survivors: set[int] = set()
+    try:
+        assert learner.stdout is not None
+        pids = json.loads(learner.stdout.readline())  # bounded by the test timeout
+        survivors = {pids["worker"], *pids["helpers"]}
+        assert wait_until(started.exists, timeout=30), "the worker never entered its step"
+        dirs = scratch_dirs_of(learner.pid)
+        assert dirs, "the learner's ipc directories are named after its pid"
+
+        learner.send_signal(signal.SIGKILL)
+        learner.wait(timeout=10)
+        killed = time.monotonic()
+        bound = MID_STEP_EXPIRY + 5.0  # expiry, the main thread's 1 s grace, and margin for a loaded machine
+        gone = wait_until(lambda: not any(pid_alive(pid) for pid in survivors), timeout=bound)
+        elapsed = time.monotonic() - killed
+        alive = sorted(pid for pid in survivors if pid_alive(pid))
+        assert gone, f"processes {alive} (worker {pids['worker']}) outlived the learner by more than {bound} s"
+        assert elapsed < bound
+        assert dirs == scratch_dirs_of(learner.pid), "a killed learner cleans nothing up itself"
+
+        with ClusterEnv([CARTPOLE], num_workers=1):
+            assert not scratch_dirs_of(learner.pid), "the next learner removes a dead learner's directories"
+    finally:
+        for pid in survivors:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        for process in (learner, worker):
+            if process is not None:
+                process.kill()
+                process.wait()
+        if learner.stdout is not None:
+            learner.stdout.close()
+
+
+def test_scratch_directories_are_removed_only_when_their_learner_is_gone():
+    make = "from clusterenv.cleanup import *; print(scratch_dir()); print(scratch_dir('obs', shared_memory_base()))"
+    made = subprocess.run([sys.executable, "-c", make], capture_output=True, text=True, check=True, cwd=ROOT)
+    of_dead = made.stdout.split()  # an ipc directory and a shared observations directory
+    dead_pid = os.path.basename(of_dead[0]).split("-")[1]
+    own = scratch_dir()
+    other_namespace = tempfile.mkdtemp(prefix=f"clusterenv-{dead_pid}-00000000-")
+    try:
+        assert all(os.path.isdir(path) for path in of_dead)
+        assert set(of_dead) <= set(remove_stale_dirs())
+        assert not any(os.path.exists(path) for path in of_dead)
+        assert os.path.isdir(own), "a live learner's directory stays"
+        assert os.path.isdir(other_namespace), "a pid of another host or pid namespace cannot be judged here"
+    finally:
+        for path in (own, other_namespace, *of_dead):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 # -- a worker is too slow --------------------------------------------------------------------
@@ -233,6 +341,26 @@ def test_close_kills_a_worker_stuck_in_a_step_after_the_grace_period():
     envs.close(timeout=0.5)
     assert time.monotonic() - started < 5
     assert all_gone(pids)
+
+
+def test_close_waits_one_grace_period_in_all_and_ends_the_env_processes_of_a_worker_that_ignores_close():
+    grace = 3.0  # a confirmation wait and a process wait of one grace each took 2 * grace (6 s) before
+    envs, pids = start([functools.partial(StuckEnv, 600.0)] * 2, num_workers=1)
+    helpers: set[int] = set()
+    try:
+        envs.reset(seed=0)
+        helpers = set(envs.get_attr("helper_pid"))
+        envs.step_async(np.zeros(2, dtype=np.int64))
+        started = time.monotonic()
+        envs.close(timeout=grace)
+        elapsed = time.monotonic() - started
+        assert grace <= elapsed < grace + 2.0, f"close(timeout={grace}) took {elapsed:.1f} s"
+        assert all_gone(pids | helpers, timeout=5), "the worker and the processes its envs started must all be gone"
+    finally:
+        envs.close(terminate=True)
+        for pid in helpers:  # not our children: the leak check cannot see them
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_close_with_terminate_does_not_wait():

@@ -111,15 +111,24 @@ LEARNER = textwrap.dedent(
 )
 
 
-def test_external_worker_exits_when_its_learner_dies(spawn):
+LEARNER_GONE = {
+    # Its end of the connection closes: lost after interval * liveness, about 1 s.
+    "killed": (signal.SIGKILL, "has been silent for 1.0 s and its end of the connection is closed"),
+    # Still connected, only silent (as behind a partition): silent for interval * liveness,
+    # one reconnect, silent again: about 2.1 s.
+    "stopped": (signal.SIGSTOP, "has not answered heartbeats after 1 reconnects"),
+}
+
+
+@pytest.mark.parametrize(("sig", "reason"), LEARNER_GONE.values(), ids=LEARNER_GONE)
+def test_external_worker_exits_when_its_learner_dies(spawn, sig, reason):
     address = free_address()
     learner = spawn([sys.executable, "-c", LEARNER, address, repr(FAST.to_meta())])
     worker = spawn(worker_command(address))
     assert learner.stdout.readline().strip() == "ready"
-    learner.send_signal(signal.SIGKILL)
-    # Silent for interval * liveness, one reconnect, silent again: about 2.1 s.
+    learner.send_signal(sig)
     assert worker.wait(timeout=20) == LEARNER_LOST_EXIT_CODE
-    assert "has not answered heartbeats" in worker.stderr.read()
+    assert reason in worker.stderr.read()
 
 
 # -- Ray ------------------------------------------------------------------------------------
