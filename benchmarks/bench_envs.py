@@ -5,6 +5,9 @@
 by another process still costs the full amount of work). Kept free of clusterenv imports
 so that workers, ``AsyncVectorEnv`` subprocesses and ``SyncVectorEnv`` all run the same code.
 
+``SleepEnv`` sleeps instead: a step that takes wall time but no CPU, so that what a
+benchmark measures is the cost of moving steps around, not of making them.
+
 ``make_atari`` registers ale-py's envs first: a fresh worker process has not imported it.
 """
 
@@ -16,7 +19,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-__all__ = ["BurnEnv", "make_atari"]
+__all__ = ["BurnEnv", "SleepEnv", "make_atari"]
 
 
 class BurnEnv(gym.Env):
@@ -43,6 +46,25 @@ class BurnEnv(gym.Env):
         self._t += 1
         obs = self.np_random.uniform(-1.0, 1.0, size=4).astype(np.float32)
         return obs, float(action), self._t >= self.episode_steps, False, {}
+
+
+class SleepEnv(gym.Env):
+    """Observations are 4 floats, actions ``Discrete(2)``; each step sleeps ``step_ms``; no infos, no episode end."""
+
+    metadata: dict[str, Any] = {"render_modes": []}
+
+    def __init__(self, step_ms: float = 1.0) -> None:
+        self.step_s = step_ms / 1000.0
+        self.observation_space = gym.spaces.Box(-1.0, 1.0, shape=(4,), dtype=np.float32)
+        self.action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict]:
+        super().reset(seed=seed)
+        return np.zeros(4, dtype=np.float32), {}
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict]:
+        time.sleep(self.step_s)
+        return np.full(4, float(action), dtype=np.float32), 1.0, False, False, {}
 
 
 def make_atari(env_id: str, **kwargs: Any) -> gym.Env:
