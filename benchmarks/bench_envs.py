@@ -5,6 +5,9 @@
 by another process still costs the full amount of work). Kept free of clusterenv imports
 so that workers, ``AsyncVectorEnv`` subprocesses and ``SyncVectorEnv`` all run the same code.
 
+``SleepEnv`` sleeps instead: a step that takes wall time but no CPU, so that what a
+benchmark measures is the cost of moving steps around, not of making them.
+
 ``make_atari`` registers ale-py's envs first: a fresh worker process has not imported it.
 """
 
@@ -46,7 +49,10 @@ class BurnEnv(gym.Env):
 
 
 class SleepEnv(gym.Env):
-    """A step that waits ``step_ms`` without using CPU, like a remote simulator or an env on another host."""
+    """A step that waits ``step_ms`` without using CPU, like a remote simulator or an env on another host.
+
+    Observations are 4 floats (the last action), actions ``Discrete(2)``; no infos, no episode end.
+    """
 
     metadata: dict[str, Any] = {"render_modes": []}
 
@@ -67,7 +73,7 @@ class SleepEnv(gym.Env):
             sigma = self.jitter_sigma  # mean-preserving: E[lognormal(mu, sigma)] = step_s
             delay = float(self._jitter.lognormal(np.log(self.step_s) - sigma**2 / 2, sigma))
         time.sleep(delay)
-        return np.zeros(4, dtype=np.float32), 1.0, False, False, {}
+        return np.full(4, float(action), dtype=np.float32), 1.0, False, False, {}
 
 
 def make_atari(env_id: str, **kwargs: Any) -> gym.Env:

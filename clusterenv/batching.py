@@ -16,7 +16,7 @@ import numpy as np
 from gymnasium import spaces
 from gymnasium.vector import VectorEnv
 
-__all__ = ["InfoRecord", "is_array_tree", "leaf_arrays", "leaf_specs", "replay_infos", "unflatten"]
+__all__ = ["InfoRecord", "is_array_tree", "leaf_arrays", "leaf_specs", "replay_infos", "split_evenly", "unflatten"]
 
 #: One env's info as a worker recorded it: ``(index within the worker's slice, info)``.
 InfoRecord = tuple[int, dict[str, Any]]
@@ -71,6 +71,15 @@ def unflatten(space: spaces.Space, leaves: list[np.ndarray]) -> Any:
         raise TypeError(f"Space {s} has no fixed array form; its values must be pickled.")
 
     return build(space)
+
+
+def split_evenly(num_envs: int, parts: int) -> list[slice]:
+    """``parts`` contiguous slices of ``range(num_envs)`` whose sizes differ by at most one.
+
+    How envs are split over workers, and a worker's slice over its env processes.
+    """
+    bounds = np.linspace(0, num_envs, parts + 1).round().astype(int)
+    return [slice(int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 class _InfoBatcher(VectorEnv):

@@ -20,7 +20,7 @@ from gymnasium.vector.async_vector_env import AsyncState
 from gymnasium.vector.utils import batch_differing_spaces, batch_space, concatenate, create_empty_array, iterate
 
 from clusterenv import shared_obs
-from clusterenv.batching import is_array_tree, leaf_arrays, leaf_specs, replay_infos, unflatten
+from clusterenv.batching import is_array_tree, leaf_arrays, leaf_specs, replay_infos, split_evenly, unflatten
 from clusterenv.errors import WorkerTimeoutError
 from clusterenv.launch import Launcher
 from clusterenv.liveness import Heartbeat
@@ -32,6 +32,7 @@ from clusterenv.validation import (
     check_batch_size,
     check_env_fns,
     check_num_workers,
+    check_procs_per_worker,
     check_reset_options,
     check_seconds,
     check_seeds,
@@ -65,7 +66,8 @@ class ClusterEnv(VectorEnv):
     """A vector env whose ``reset``/``step`` run in worker processes over ZeroMQ.
 
     The envs are split into contiguous slices, one per worker; each worker steps its
-    slice as a ``SyncVectorEnv``, so results are bit-identical to
+    slice as a ``SyncVectorEnv`` (or, with ``procs_per_worker > 1``, as several of them
+    in its own child processes), so results are bit-identical to
     ``gymnasium.vector.SyncVectorEnv`` with the same seeds and actions, in every
     autoreset mode. Actions and observations travel as raw array frames; env factories
     travel once, cloudpickled, after the worker has authenticated.
@@ -85,6 +87,7 @@ class ClusterEnv(VectorEnv):
         env_fns: Sequence[Callable[[], Env]],
         *,
         num_workers: int | None = None,
+        procs_per_worker: int = 1,
         autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
         copy: bool = True,
         observation_mode: str = "same",
@@ -102,6 +105,12 @@ class ClusterEnv(VectorEnv):
         Args:
             env_fns: zero-argument callables creating the environments, as for ``AsyncVectorEnv``.
             num_workers: worker processes; defaults to one per available core, at most ``len(env_fns)``.
+                Each worker is one ZeroMQ peer of the learner.
+            procs_per_worker: env processes per worker. With ``N > 1`` each worker splits its
+                slice over ``min(N, slice size)`` child processes that step in parallel, so one
+                worker per host can use all its cores while the learner talks to one peer per
+                host (its cost grows with hosts, not processes). Results are unchanged. A
+                worker started with ``clusterenv-worker --procs N`` uses its own ``N``.
             autoreset_mode: Gymnasium's autoreset mode, applied inside the workers.
             copy: return fresh observation arrays from ``reset``/``step`` (else a reused buffer).
             observation_mode: ``"same"`` or ``"different"``, as for ``SyncVectorEnv``.
@@ -131,6 +140,7 @@ class ClusterEnv(VectorEnv):
         if num_workers is None:
             num_workers = _default_num_workers(self.num_envs)
         self.num_workers = num_workers = check_num_workers(num_workers, self.num_envs)
+        self.procs_per_worker = check_procs_per_worker(procs_per_worker)
         try:
             self.autoreset_mode = AutoresetMode(autoreset_mode)
         except ValueError:
@@ -148,8 +158,7 @@ class ClusterEnv(VectorEnv):
         self.heartbeat = Heartbeat() if heartbeat is None else heartbeat
         pickled_fns = [pickle_env_fn(i, fn) for i, fn in enumerate(env_fns)]
 
-        bounds = np.linspace(0, self.num_envs, num_workers + 1).round().astype(int)
-        self._slices = [slice(int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+        self._slices = split_evenly(self.num_envs, num_workers)
         self._batch_size = check_batch_size(batch_size, self.num_envs, num_workers)
         # First-ready batches: which workers are stepping (and what), which replied and wait for recv().
         self._in_flight: dict[int, str] = {}
@@ -239,6 +248,7 @@ class ClusterEnv(VectorEnv):
                 "env_offset": sl.start,
                 "autoreset_mode": self.autoreset_mode.value,
                 "observation_mode": observation_mode,
+                "procs_per_worker": self.procs_per_worker,
             }
             self._pool.send_init(w, meta, pickled_fns[sl])
         replies = self._pool.gather(range(self.num_workers), "building envs", timeout)
@@ -693,6 +703,7 @@ class ClusterEnv(VectorEnv):
         self.close()
 
     def __repr__(self) -> str:
-        """``ClusterEnv(CartPole-v1, num_envs=8, num_workers=2)``."""
+        """``ClusterEnv(CartPole-v1, num_envs=8, num_workers=2)``, with ``procs_per_worker`` when not 1."""
         name = "" if self.spec is None else f"{self.spec.id}, "
-        return f"{type(self).__name__}({name}num_envs={self.num_envs}, num_workers={self.num_workers})"
+        procs = "" if self.procs_per_worker == 1 else f", procs_per_worker={self.procs_per_worker}"
+        return f"{type(self).__name__}({name}num_envs={self.num_envs}, num_workers={self.num_workers}{procs})"

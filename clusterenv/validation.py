@@ -22,6 +22,7 @@ __all__ = [
     "check_batch_size",
     "check_env_fns",
     "check_num_workers",
+    "check_procs_per_worker",
     "check_reset_mask",
     "check_reset_options",
     "check_seconds",
@@ -50,6 +51,20 @@ def check_num_workers(num_workers: Any, num_envs: int) -> int:
     if not 1 <= num_workers <= num_envs:
         raise ValueError(f"`num_workers` must be between 1 and the number of envs ({num_envs}), got {num_workers}.")
     return int(num_workers)
+
+
+def check_procs_per_worker(procs_per_worker: Any) -> int:
+    """A positive number of env processes per worker."""
+    if (
+        isinstance(procs_per_worker, bool)
+        or not isinstance(procs_per_worker, (int, np.integer))
+        or not procs_per_worker >= 1
+    ):
+        raise ValueError(
+            f"`procs_per_worker` must be an integer of at least 1, got {type(procs_per_worker).__name__} "
+            f"({procs_per_worker!r})."
+        )
+    return int(procs_per_worker)
 
 
 def check_env_fns(env_fns: Sequence[Callable[[], Env]]) -> None:

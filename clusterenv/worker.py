@@ -2,14 +2,15 @@
 
 Run by the local launcher as ``python -m clusterenv.worker``, or by hand / ``srun`` on
 another host as ``clusterenv-worker --connect tcp://HOST:PORT``. A worker steps its
-slice as one :class:`gymnasium.vector.SyncVectorEnv`, so every per-env semantic
-(autoreset modes, seeding, info batching) is Gymnasium's own code, not a re-implementation.
+slice as one :class:`gymnasium.vector.SyncVectorEnv` (``clusterenv.recording``), or with
+``procs_per_worker=N`` (``--procs N``) as N of them in child processes
+(``clusterenv.worker_procs``), so every per-env semantic (autoreset modes, seeding, info
+batching) is Gymnasium's own code, not a re-implementation.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import os
 import pickle
@@ -25,16 +26,16 @@ from typing import Any
 import cloudpickle
 import numpy as np
 import zmq
-from gymnasium.vector import AutoresetMode, SyncVectorEnv
-from gymnasium.vector.utils import concatenate, create_empty_array
+from gymnasium.vector import AutoresetMode
 
-from clusterenv import shared_obs
-from clusterenv.batching import InfoRecord, is_array_tree, leaf_arrays, unflatten
+from clusterenv.batching import is_array_tree, leaf_arrays, unflatten
 from clusterenv.liveness import LEARNER_LOST_EXIT_CODE, Heartbeat, HeartbeatClient
 from clusterenv.protocol import Kind, Message
+from clusterenv.recording import RecordingVectorEnv, build, dumps, failing_env_index
 from clusterenv.transport import SECRET_ENV_VAR, Channel, new_identity, resolve_secret
 from clusterenv.worker_policy import RolloutAborted
 from clusterenv.worker_policy import install as install_policy_handlers
+from clusterenv.worker_procs import ENV_PROCESS_LOST_EXIT_CODE, ChildEnvError, EnvProcessLost, ProcVectorEnv
 
 __all__ = ["Mailbox", "Worker", "main", "serve"]
 
@@ -44,93 +45,6 @@ logger = logging.getLogger(__name__)
 IDLE_CHECK_INTERVAL_S = 0.5
 # Lets the last reply (CLOSED) leave before the socket goes; bounded for a learner that is gone.
 _EXIT_LINGER_MS = 500
-
-
-class _RecordingVectorEnv(SyncVectorEnv):
-    """A SyncVectorEnv that records each per-env info instead of batching it.
-
-    The learner replays the records with global env indices through Gymnasium's own
-    ``VectorEnv._add_info``, so the batched infos are exactly what one SyncVectorEnv
-    over all envs would have built (same keys, order, dtypes and masks).
-    """
-
-    info_log: list[InfoRecord]
-
-    def _add_info(self, vector_infos: dict[str, Any], env_info: dict[str, Any], env_num: int) -> dict[str, Any]:
-        if env_info:
-            self.info_log.append((env_num, env_info))
-        return vector_infos
-
-    # The one place that reaches into SyncVectorEnv's internals.
-    @property
-    def current_observations(self) -> Any:
-        """The batch of current observations (the buffer ``step`` writes into, ``copy=False``)."""
-        return self._observations
-
-    def env_observations(self) -> list[Any]:
-        """The current per-env observations, for spaces without a fixed array form."""
-        return self._env_obs
-
-    def misfit_observation(self) -> int | None:
-        """The first env whose current observation does not batch into the observation space, if any."""
-        space = self.single_observation_space
-        out: Any = create_empty_array(space, n=1)
-        for i, obs in enumerate(self._env_obs):
-            try:
-                concatenate(space, [obs], out)
-            except Exception:
-                return i
-        return None
-
-    def autoresetting(self) -> np.ndarray:
-        """Under NEXT_STEP, which envs' next step is an autoreset step (a copy)."""
-        return self._autoreset_envs.copy()
-
-    def mark_autoreset_pending(self) -> None:
-        """Make every env's next step an autoreset step, as after a truncation (a replacement's envs)."""
-        self._autoreset_envs = np.ones(self.num_envs, dtype=np.bool_)
-
-    def write_observations_into(self, view: Any) -> None:
-        """From now on, write observations into ``view`` (shared memory), starting from the current ones."""
-        space = self.single_observation_space
-        for new, old in zip(leaf_arrays(space, view), leaf_arrays(space, self._observations), strict=True):
-            new[...] = old
-        self._observations = view  # SyncVectorEnv's concatenate(..., out=) now fills it
-
-
-def _failing_env_index(exc: BaseException) -> int | None:
-    """The local index of the env that raised, read from the loop variables of the frames it passed.
-
-    After its loop, ``SyncVectorEnv.step``/``reset`` batch the observations with ``concatenate``,
-    which raises on one that does not fit the observation space; the loop variable then
-    names the last env, so the env whose observation does not fit is looked for instead.
-    """
-    index_loops = {SyncVectorEnv.step.__code__, SyncVectorEnv.reset.__code__, _make_envs.__code__}
-    env_loops = {SyncVectorEnv.call.__code__, SyncVectorEnv.set_attr.__code__}
-    index = None
-    caller: _RecordingVectorEnv | None = None  # whose step/reset frame was just passed
-    for frame, _ in traceback.walk_tb(exc.__traceback__):
-        local = frame.f_locals
-        module = frame.f_globals.get("__name__")
-        if caller is not None and module == concatenate.__module__:
-            return caller.misfit_observation()
-        if module != "functools":  # singledispatch's wrapper stands between the loop and concatenate
-            caller = None
-        if frame.f_code in index_loops and isinstance(local.get("i"), int):
-            index = local["i"]
-            if isinstance(local.get("self"), _RecordingVectorEnv):
-                caller = local["self"]
-        elif frame.f_code in env_loops and isinstance(local.get("self"), SyncVectorEnv):
-            index = next((i for i, env in enumerate(local["self"].envs) if env is local.get("env")), index)
-    return index
-
-
-def _make_envs(env_fns: list[Callable[[], Any]]) -> list[Any]:
-    """Build the envs one by one, so that a constructor that raises is known by its index."""
-    envs = []
-    for i, env_fn in enumerate(env_fns):  # noqa: B007 (`i` is read by _failing_env_index)
-        envs.append(env_fn())
-    return envs
 
 
 class Mailbox:
@@ -174,10 +88,11 @@ class Mailbox:
 class Worker:
     """Command handlers for one worker; each returns the reply to send (``None``: no reply)."""
 
-    def __init__(self, worker_id: int) -> None:
+    def __init__(self, worker_id: int, procs: int | None = None) -> None:
         self.worker_id = worker_id
+        self.procs = procs  # env processes asked for on the command line (else the learner's procs_per_worker)
         self.env_offset = 0
-        self.envs: _RecordingVectorEnv | None = None
+        self.envs: RecordingVectorEnv | ProcVectorEnv | None = None
         self.array_obs = True
         self.handlers: dict[Kind, Callable[[Message], Message | None]] = {
             Kind.INIT: self.init,
@@ -195,27 +110,21 @@ class Worker:
     # -- lifecycle -------------------------------------------------------------------------
     def init(self, msg: Message) -> Message:
         """Build this worker's envs from the pickled factories and describe their spaces."""
-        env_fns = [pickle.loads(blob) for blob in msg.blobs]
         self.env_offset = int(msg.meta["env_offset"])
-        self.envs = _RecordingVectorEnv(
-            [functools.partial(_identity, env) for env in _make_envs(env_fns)],
-            copy=False,
-            observation_mode=msg.meta["observation_mode"],
-            autoreset_mode=AutoresetMode(msg.meta["autoreset_mode"]),
-        )
-        self.envs.info_log = []
+        procs = self.procs if self.procs is not None else int(msg.meta.get("procs_per_worker", 1))
+        mode, autoreset_mode = msg.meta["observation_mode"], AutoresetMode(msg.meta["autoreset_mode"])
+        if procs > 1:
+            self.envs = ProcVectorEnv(
+                list(msg.blobs), procs, observation_mode=mode, autoreset_mode=autoreset_mode, env_offset=self.env_offset
+            )
+        else:
+            self.envs = build(list(msg.blobs), mode, autoreset_mode)
         if msg.meta.get("replacement") and self.envs.autoreset_mode is AutoresetMode.NEXT_STEP:
             # A replacement for a lost worker: its envs' episodes were cut short, so under
             # NEXT_STEP their next step is the autoreset step (see docs/cluster.md).
             self.envs.mark_autoreset_pending()
         self.array_obs = is_array_tree(self.envs.single_observation_space)
-        description = {
-            "observation_spaces": [env.observation_space for env in self.envs.envs],
-            "action_spaces": [env.action_space for env in self.envs.envs],
-            "metadata": self.envs.envs[0].metadata,
-            "render_mode": self.envs.render_mode,
-        }
-        return Message(Kind.READY, blobs=[cloudpickle.dumps(description)])
+        return Message(Kind.READY, blobs=[cloudpickle.dumps(self.envs.description())])
 
     # -- stepping --------------------------------------------------------------------------
     def _result(self, obs: Any, extra: list[np.ndarray]) -> Message:
@@ -223,9 +132,9 @@ class Worker:
         log, self.envs.info_log = self.envs.info_log, []
         framed = self.array_obs and not self.shared_obs
         arrays = (leaf_arrays(self.envs.single_observation_space, obs) if framed else []) + extra
-        blobs = [b""] if not log else [_dumps(log)]
+        blobs = [b""] if not log else [dumps(log)]
         if not self.array_obs:
-            blobs.append(_dumps(self.envs.env_observations()))
+            blobs.append(dumps(self.envs.env_observations()))
         return Message(Kind.RESULT, {}, arrays, blobs)
 
     def reset(self, msg: Message) -> Message:
@@ -249,12 +158,8 @@ class Worker:
     def share_obs(self, msg: Message) -> Message:
         """Write observations into the learner's shared batch from now on, if it can be mapped here."""
         assert self.envs is not None
-        view = None
         if self.array_obs and int(msg.meta["stop"]) - int(msg.meta["start"]) == self.envs.num_envs:
-            view = shared_obs.attach(msg.meta, self.envs.single_observation_space)
-        if view is not None:
-            self.envs.write_observations_into(view)
-            self.shared_obs = True
+            self.shared_obs = self.envs.share_observations(msg.meta) or self.shared_obs
         return Message(Kind.VALUE, {"attached": self.shared_obs})
 
     # -- attributes ------------------------------------------------------------------------
@@ -276,6 +181,11 @@ class Worker:
         if self.envs is not None:
             self.envs.close()
 
+    def terminate(self) -> None:
+        """End the env processes now, if any, without closing their envs (the learner is gone)."""
+        if isinstance(self.envs, ProcVectorEnv):
+            self.envs.terminate()
+
     def handle(self, msg: Message) -> Message | None:
         """Run the handler for ``msg`` and return the reply."""
         handler = self.handlers.get(msg.kind)
@@ -284,22 +194,6 @@ class Worker:
         if msg.kind is not Kind.INIT and self.envs is None:
             return Message(Kind.ERROR, _error_meta(None, "ProtocolError", f"{msg.kind.name} before INIT.", ""))
         return handler(msg)
-
-
-def _dumps(value: Any) -> bytes:
-    """Per-step payloads (infos, non-array observations): plain pickle, else cloudpickle.
-
-    Infos are plain data almost always, which pickle serializes several times faster;
-    a lambda or a class defined in the learner's script needs cloudpickle.
-    """
-    try:
-        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:
-        return cloudpickle.dumps(value)
-
-
-def _identity(value: Any) -> Any:
-    return value
 
 
 def _close_quietly(worker: Worker) -> None:
@@ -315,14 +209,17 @@ def _error_meta(env_index: int | None, exc_type: str, message: str, tb: str) -> 
 
 
 def _error_reply(worker: Worker, exc: BaseException) -> Message:
-    local = _failing_env_index(exc)
+    if isinstance(exc, ChildEnvError):  # raised in an env process: its own index, traceback and pickle
+        local, exc_type, message, tb = exc.env_index, exc.exc_type, exc.message, exc.remote_traceback
+        blobs = [] if exc.cause is None else [exc.cause]
+    else:
+        local, exc_type, message, tb = failing_env_index(exc), type(exc).__name__, str(exc), traceback.format_exc()
+        try:
+            blobs = [cloudpickle.dumps(exc)]
+        except Exception:
+            blobs = []
     env_index = None if local is None else worker.env_offset + local
-    try:
-        blobs = [cloudpickle.dumps(exc)]
-    except Exception:
-        blobs = []
-    meta = _error_meta(env_index, type(exc).__name__, str(exc), traceback.format_exc())
-    return Message(Kind.ERROR, meta, [], blobs)
+    return Message(Kind.ERROR, _error_meta(env_index, exc_type, message, tb), [], blobs)
 
 
 def serve(
@@ -332,6 +229,7 @@ def serve(
     *,
     parent_pid: int | None = None,
     join_timeout: float | None = None,
+    procs: int | None = None,
 ) -> int:
     """Connect to the learner at ``address`` and serve commands until CLOSE or learner death.
 
@@ -341,15 +239,17 @@ def serve(
         key: the shared secret.
         parent_pid: exit when this process is gone (local workers).
         join_timeout: give up if the learner has not sent INIT within this many seconds.
+        procs: env processes to step the slice with (``None``: the learner's ``procs_per_worker``).
 
     Returns:
         The exit status for the process: 0 after CLOSE, ``LEARNER_LOST_EXIT_CODE`` when the
-        learner went away (process gone, heartbeats stopped, never sent work).
+        learner went away (process gone, heartbeats stopped, never sent work),
+        ``ENV_PROCESS_LOST_EXIT_CODE`` when one of its env processes died.
     """
     context = zmq.Context()
     identity = new_identity(worker_id)
     channel = Channel.connect_dealer(context, address, key, identity)
-    worker = Worker(-1 if worker_id is None else worker_id)
+    worker = Worker(-1 if worker_id is None else worker_id, procs)
     worker.mailbox = mailbox = Mailbox(channel, worker)
     install_policy_handlers(worker)  # the local-policy commands (SET_POLICY, SET_WEIGHTS, ROLLOUT)
     heart: HeartbeatClient | None = None
@@ -386,11 +286,16 @@ def serve(
                 reply = worker.handle(msg)
             except RolloutAborted:
                 continue  # the CLOSE that aborted it is next in the queue
+            except EnvProcessLost as exc:
+                # Its envs are gone with it: exit, so that the learner reports or replaces this worker.
+                logger.error("Worker %d: %s; exiting.", worker.worker_id, exc)
+                return ENV_PROCESS_LOST_EXIT_CODE
             except Exception as exc:
                 reply = _error_reply(worker, exc)
             if reply is not None:
                 channel.send(reply.kind, {**reply.meta, "seq": seq}, reply.arrays, reply.blobs)
     finally:
+        worker.terminate()  # after a CLOSE there is nothing left to end
         if heart is not None:
             heart.close()
         channel.close(linger=_EXIT_LINGER_MS)
@@ -412,7 +317,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--join-timeout", type=float, default=None, help="exit if no learner sends work within this many seconds"
     )
+    parser.add_argument(
+        "--procs",
+        type=int,
+        default=None,
+        help="env processes that step this worker's envs (default: the learner's procs_per_worker)",
+    )
     args = parser.parse_args(argv)
+    if args.procs is not None and args.procs < 1:
+        parser.error(f"argument --procs: must be at least 1, got {args.procs}")
     name = "?" if args.worker_id is None else args.worker_id
     logging.basicConfig(level=logging.INFO, format=f"[clusterenv worker {name}] %(message)s")
     key = resolve_secret(None)
@@ -421,7 +334,14 @@ def main(argv: list[str] | None = None) -> None:
     # The learner decides when workers stop; Ctrl-C in the terminal reaches it, not us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     started = time.monotonic()
-    status = serve(args.connect, args.worker_id, key, parent_pid=args.parent_pid, join_timeout=args.join_timeout)
+    status = serve(
+        args.connect,
+        args.worker_id,
+        key,
+        parent_pid=args.parent_pid,
+        join_timeout=args.join_timeout,
+        procs=args.procs,
+    )
     logger.debug("Worker %s served for %.1f s.", name, time.monotonic() - started)
     # os._exit, not sys.exit: it skips interpreter teardown, which takes 1.5-5 s once a local
     # policy has loaded torch, and the learner's close() waits for this process to exit.

@@ -27,6 +27,7 @@ RICH = functools.partial(RichSpacesEnv, "discrete", render_mode="rgb_array")
 BACKENDS = {
     "SyncVectorEnv": SyncVectorEnv,
     "ClusterEnv(2 workers)": functools.partial(ClusterEnv, num_workers=2),
+    "ClusterEnv(2 workers x 2 procs)": functools.partial(ClusterEnv, num_workers=2, procs_per_worker=2),
 }
 
 

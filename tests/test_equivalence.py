@@ -66,18 +66,49 @@ def test_bit_identical_to_sync_vector_env(env_fn, mode):
     assert episodes >= 10, "the run must cross episode boundaries to test autoreset"
 
 
-@pytest.mark.parametrize("num_workers", [1, 3, 7])
-def test_worker_count_does_not_change_results(num_workers):
+# procs_per_worker > 1: each worker splits its slice again over env processes. The kinds that
+# stress what crosses the extra hop: Dict obs and infos with keys that come and go, Tuple
+# actions, action-mask infos, and observations without an array form.
+PROCS_ENVS = {
+    name: ENVS[name]
+    for name in (
+        "Taxi-v4(action_mask infos)",
+        "Rich(Dict obs, Discrete action)",
+        "Rich(Tuple action)",
+        "Text obs(pickled path)",
+    )
+}
+
+
+@pytest.mark.parametrize("procs", [2, 3], ids=lambda p: f"procs_per_worker={p}")
+@pytest.mark.parametrize("mode", MODES, ids=[m.value for m in MODES])
+@pytest.mark.parametrize("env_fn", PROCS_ENVS.values(), ids=PROCS_ENVS.keys())
+def test_env_processes_are_bit_identical_to_sync_vector_env(env_fn, mode, procs):
+    num_envs = 7  # 3 + 4 over two workers, then 2 + 1 / 2 + 2 (or 1 + 1 + 1 / 1 + 2 + 1) over env processes
+    reference = SyncVectorEnv([env_fn] * num_envs, autoreset_mode=mode)
+    with ClusterEnv([env_fn] * num_envs, num_workers=2, procs_per_worker=procs, autoreset_mode=mode) as candidate:
+        assert candidate.observation_space == reference.observation_space
+        assert candidate.action_space == reference.action_space
+        episodes = run_lockstep(reference, candidate, 300, seed=321)
+    reference.close()
+    assert episodes >= 5, "the run must cross episode boundaries to test autoreset"
+
+
+@pytest.mark.parametrize(("num_workers", "procs"), [(1, 1), (3, 1), (7, 1), (1, 7), (1, 3), (3, 2)])
+def test_worker_and_process_counts_do_not_change_results(num_workers, procs):
     env_fn = functools.partial(RichSpacesEnv, "discrete")
     reference = SyncVectorEnv([env_fn] * 7, autoreset_mode=AutoresetMode.SAME_STEP)
-    with ClusterEnv([env_fn] * 7, num_workers=num_workers, autoreset_mode=AutoresetMode.SAME_STEP) as candidate:
+    with ClusterEnv(
+        [env_fn] * 7, num_workers=num_workers, procs_per_worker=procs, autoreset_mode=AutoresetMode.SAME_STEP
+    ) as candidate:
         run_lockstep(reference, candidate, 200, seed=7)
 
 
-def test_seed_list_with_none_and_options_reach_every_env():
+@pytest.mark.parametrize("procs", [1, 2], ids=lambda p: f"procs_per_worker={p}")
+def test_seed_list_with_none_and_options_reach_every_env(procs):
     env_fn = functools.partial(RichSpacesEnv, "discrete")
     reference = SyncVectorEnv([env_fn] * 3)
-    with ClusterEnv([env_fn] * 3, num_workers=2) as candidate:
+    with ClusterEnv([env_fn] * 3, num_workers=2, procs_per_worker=procs) as candidate:
         seeds = [5, None, 9]
         expected = reference.reset(seed=seeds, options={"level": 2})
         got = candidate.reset(seed=seeds, options={"level": 2})

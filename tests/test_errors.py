@@ -528,6 +528,26 @@ BAD_CONSTRUCTIONS = {
         TypeError,
         "`env_fns[1]` must be a zero-argument callable, got str.",
     ),
+    "procs_per_worker zero": (
+        {"env_fns": [CARTPOLE], "procs_per_worker": 0},
+        ValueError,
+        "`procs_per_worker` must be an integer of at least 1, got int (0).",
+    ),
+    "procs_per_worker a float": (
+        {"env_fns": [CARTPOLE], "procs_per_worker": 2.0},
+        ValueError,
+        "`procs_per_worker` must be an integer of at least 1, got float (2.0).",
+    ),
+    "procs_per_worker a string": (
+        {"env_fns": [CARTPOLE], "procs_per_worker": "4"},
+        ValueError,
+        "`procs_per_worker` must be an integer of at least 1, got str ('4').",
+    ),
+    "procs_per_worker a bool": (
+        {"env_fns": [CARTPOLE], "procs_per_worker": True},
+        ValueError,
+        "`procs_per_worker` must be an integer of at least 1, got bool (True).",
+    ),
     "timeout negative": (
         {"env_fns": [CARTPOLE], "timeout": -1},
         ValueError,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "clusterenv"
-WORKER_SIDE = ["worker", "worker_policy"]
+WORKER_SIDE = ["worker", "worker_policy", "worker_procs", "env_process", "recording"]
 LEARNER_SIDE = {"env", "pool", "make", "launch", "ray_launcher", "rollout", "batch"}
 
 

@@ -27,11 +27,11 @@ def concat(batches, name):
     return np.concatenate([getattr(b, name) for b in batches])
 
 
-@pytest.mark.parametrize("prefetch", [1, 3])
-def test_successive_prefetched_batches_are_one_long_rollout(prefetch):
+@pytest.mark.parametrize(("prefetch", "procs"), [(1, 1), (3, 1), (1, 2)], ids=["prefetch=1", "prefetch=3", "procs=2"])
+def test_successive_prefetched_batches_are_one_long_rollout(prefetch, procs):
     """The same envs, seeds and deterministic policy: 4 x 16 prefetched steps == 64 lockstep steps == SyncVectorEnv."""
     policy = linear_policy(4, 2, seed=3)
-    with cartpoles(6, 3) as envs:
+    with cartpoles(6, 3, procs_per_worker=procs) as envs:
         runner = PolicyRunner(envs, policy, head=Greedy(), seed=7, prefetch=prefetch)
         batches = [runner.rollout(16) for _ in range(4)]
         leftovers = runner.stop()

@@ -64,19 +64,25 @@ def check_documented_fields(batch, steps, num_envs, obs_shape, num_actions):
 
 
 CASES = [
-    (AutoresetMode.NEXT_STEP, Greedy(), 2),
-    (AutoresetMode.SAME_STEP, Categorical(), 2),
-    (AutoresetMode.NEXT_STEP, Categorical(temperature=0.5), 1),
+    (AutoresetMode.NEXT_STEP, Greedy(), 2, 1),
+    (AutoresetMode.SAME_STEP, Categorical(), 2, 1),
+    (AutoresetMode.NEXT_STEP, Categorical(temperature=0.5), 1, 1),
+    (AutoresetMode.NEXT_STEP, Categorical(), 2, 2),  # env processes: the policy acts in the worker
+    (AutoresetMode.SAME_STEP, Greedy(), 1, 3),
 ]
 
 
 @pytest.mark.parametrize(
-    "mode, head, num_workers", CASES, ids=[f"{m.value}-{type(h).__name__}-{w}workers" for m, h, w in CASES]
+    "mode, head, num_workers, procs",
+    CASES,
+    ids=[f"{m.value}-{type(h).__name__}-{w}workers-{p}procs" for m, h, w, p in CASES],
 )
-def test_rollout_equals_step_mode_for_the_same_seeds(mode, head, num_workers):
+def test_rollout_equals_step_mode_for_the_same_seeds(mode, head, num_workers, procs):
     policy, num_envs, steps, seed = linear_policy(3, 3, seed=4), 5, 25, 11
     reference = SyncVectorEnv([BoxInfoEnv] * num_envs, autoreset_mode=mode)
-    with ClusterEnv([BoxInfoEnv] * num_envs, num_workers=num_workers, autoreset_mode=mode) as envs:
+    with ClusterEnv(
+        [BoxInfoEnv] * num_envs, num_workers=num_workers, procs_per_worker=procs, autoreset_mode=mode
+    ) as envs:
         expected_obs, expected_infos = reference.reset(seed=3)
         obs, infos = envs.reset(seed=3)
         assert_same((expected_obs, expected_infos), (obs, infos))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import logging
 import mmap
 import os
 from typing import Any
@@ -58,13 +59,20 @@ MODES = [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP, AutoresetMode.DISABLE
 OBS = {"Box image": False, "Dict(image, vector)": True}
 
 
-@pytest.mark.parametrize("dict_obs", OBS.values(), ids=OBS.keys())
-@pytest.mark.parametrize("mode", MODES, ids=[m.value for m in MODES])
-def test_shared_observations_are_bit_identical_to_sync_vector_env(mode, dict_obs):
+CASES = {f"{name}-{mode.value}": (dict_obs, mode, 1) for name, dict_obs in OBS.items() for mode in MODES}
+# With env processes, each of them writes its part of the worker's slice into the learner's batch.
+CASES.update({f"Dict(image, vector)-{mode.value}-2 procs": (True, mode, 2) for mode in MODES})
+
+
+@pytest.mark.parametrize(("dict_obs", "mode", "procs"), CASES.values(), ids=CASES.keys())
+def test_shared_observations_are_bit_identical_to_sync_vector_env(dict_obs, mode, procs, caplog):
     env_fn = functools.partial(ImageEnv, dict_obs)
     reference = SyncVectorEnv([env_fn] * 5, autoreset_mode=mode)
-    with ClusterEnv([env_fn] * 5, num_workers=2, autoreset_mode=mode) as candidate:
+    with caplog.at_level(logging.DEBUG, logger="clusterenv.env"):
+        candidate = ClusterEnv([env_fn] * 5, num_workers=2, autoreset_mode=mode, procs_per_worker=procs)
+    with candidate:
         assert isinstance(shared_buffer(candidate._observations), mmap.mmap), "expected the shared-memory path"
+        assert "Workers [0, 1] write observations into shared memory" in caplog.text
         episodes = run_lockstep(reference, candidate, steps=200, seed=7)
     reference.close()
     assert episodes > 20

@@ -1,0 +1,158 @@
+"""The vector env that steps a worker's envs in one process, recording per-env infos.
+
+Worker side. A worker steps its slice with one :class:`RecordingVectorEnv`
+(``procs_per_worker=1``), or hands it to :mod:`clusterenv.worker_procs`, whose child
+processes each step a part of the slice with one. Either way every per-env semantic
+(autoreset modes, seeding) is Gymnasium's own ``SyncVectorEnv`` code.
+"""
+
+from __future__ import annotations
+
+import functools
+import pickle
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import cloudpickle
+import numpy as np
+from gymnasium.vector import SyncVectorEnv
+from gymnasium.vector.utils import concatenate, create_empty_array
+
+from clusterenv import shared_obs
+from clusterenv.batching import InfoRecord, leaf_arrays
+
+__all__ = ["RecordingVectorEnv", "build", "dumps", "failing_env_index", "make_envs"]
+
+
+class RecordingVectorEnv(SyncVectorEnv):
+    """A SyncVectorEnv that records each per-env info instead of batching it.
+
+    The learner replays the records with global env indices through Gymnasium's own
+    ``VectorEnv._add_info``, so the batched infos are exactly what one SyncVectorEnv
+    over all envs would have built (same keys, order, dtypes and masks).
+    """
+
+    info_log: list[InfoRecord]
+
+    def _add_info(self, vector_infos: dict[str, Any], env_info: dict[str, Any], env_num: int) -> dict[str, Any]:
+        if env_info:
+            self.info_log.append((env_num, env_info))
+        return vector_infos
+
+    # The one place that reaches into SyncVectorEnv's internals.
+    @property
+    def current_observations(self) -> Any:
+        """The batch of current observations (the buffer ``step`` writes into, ``copy=False``)."""
+        return self._observations
+
+    def env_observations(self) -> list[Any]:
+        """The current per-env observations, for spaces without a fixed array form."""
+        return self._env_obs
+
+    def misfit_observation(self) -> int | None:
+        """The first env whose current observation does not batch into the observation space, if any."""
+        space = self.single_observation_space
+        out: Any = create_empty_array(space, n=1)
+        for i, obs in enumerate(self._env_obs):
+            try:
+                concatenate(space, [obs], out)
+            except Exception:
+                return i
+        return None
+
+    def autoresetting(self) -> np.ndarray:
+        """Under NEXT_STEP, which envs' next step is an autoreset step (a copy)."""
+        return self._autoreset_envs.copy()
+
+    def mark_autoreset_pending(self) -> None:
+        """Make every env's next step an autoreset step, as after a truncation (a replacement's envs)."""
+        self._autoreset_envs = np.ones(self.num_envs, dtype=np.bool_)
+
+    def write_observations_into(self, view: Any) -> None:
+        """From now on, write observations into ``view`` (shared memory), starting from the current ones."""
+        space = self.single_observation_space
+        for new, old in zip(leaf_arrays(space, view), leaf_arrays(space, self._observations), strict=True):
+            new[...] = old
+        self._observations = view  # SyncVectorEnv's concatenate(..., out=) now fills it
+
+    def share_observations(self, meta: dict[str, Any]) -> bool:
+        """Write observations into the shared batch that ``meta`` describes (``shared_obs``), if it maps here."""
+        view = shared_obs.attach(meta, self.single_observation_space)
+        if view is None:
+            return False
+        self.write_observations_into(view)
+        return True
+
+    def description(self) -> dict[str, Any]:
+        """What the learner needs to know of these envs: per-env spaces, metadata and render mode."""
+        return {
+            "observation_spaces": [env.observation_space for env in self.envs],
+            "action_spaces": [env.action_space for env in self.envs],
+            "metadata": self.envs[0].metadata,
+            "render_mode": self.render_mode,
+        }
+
+
+def build(env_blobs: list[bytes], observation_mode: str, autoreset_mode: Any) -> RecordingVectorEnv:
+    """A RecordingVectorEnv over the envs that the pickled factories ``env_blobs`` make."""
+    env_fns = [pickle.loads(blob) for blob in env_blobs]
+    envs = RecordingVectorEnv(
+        [functools.partial(_identity, env) for env in make_envs(env_fns)],
+        copy=False,
+        observation_mode=observation_mode,
+        autoreset_mode=autoreset_mode,
+    )
+    envs.info_log = []
+    return envs
+
+
+def failing_env_index(exc: BaseException) -> int | None:
+    """The local index of the env that raised, read from the loop variables of the frames it passed.
+
+    After its loop, ``SyncVectorEnv.step``/``reset`` batch the observations with ``concatenate``,
+    which raises on one that does not fit the observation space; the loop variable then
+    names the last env, so the env whose observation does not fit is looked for instead.
+    """
+    index_loops = {SyncVectorEnv.step.__code__, SyncVectorEnv.reset.__code__, make_envs.__code__}
+    env_loops = {SyncVectorEnv.call.__code__, SyncVectorEnv.set_attr.__code__}
+    index = None
+    caller: RecordingVectorEnv | None = None  # whose step/reset frame was just passed
+    for frame, _ in traceback.walk_tb(exc.__traceback__):
+        local = frame.f_locals
+        module = frame.f_globals.get("__name__")
+        if caller is not None and module == concatenate.__module__:
+            return caller.misfit_observation()
+        if module != "functools":  # singledispatch's wrapper stands between the loop and concatenate
+            caller = None
+        if frame.f_code in index_loops and isinstance(local.get("i"), int):
+            index = local["i"]
+            if isinstance(local.get("self"), RecordingVectorEnv):
+                caller = local["self"]
+        elif frame.f_code in env_loops and isinstance(local.get("self"), SyncVectorEnv):
+            index = next((i for i, env in enumerate(local["self"].envs) if env is local.get("env")), index)
+    return index
+
+
+def make_envs(env_fns: list[Callable[[], Any]]) -> list[Any]:
+    """Build the envs one by one, so that a constructor that raises is known by its index."""
+    envs = []
+    for i, env_fn in enumerate(env_fns):  # noqa: B007 (`i` is read by failing_env_index)
+        envs.append(env_fn())
+    return envs
+
+
+def dumps(value: Any) -> bytes:
+    """Per-step payloads (infos, non-array observations): plain pickle, else cloudpickle.
+
+    Infos are plain data almost always, which pickle serializes several times faster;
+    a lambda or a class defined in the learner's script needs cloudpickle.
+    """
+    try:
+        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        return cloudpickle.dumps(value)
+
+
+def _identity(value: Any) -> Any:
+    return value
