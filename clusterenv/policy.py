@@ -182,7 +182,7 @@ def snapshot_weights(module: nn.Module) -> tuple[list[str], list[np.ndarray]]:
     for name, tensor in tensors.items():
         try:
             dtype = torch.empty(0, dtype=tensor.dtype).numpy().dtype
-        except TypeError as exc:
+        except (TypeError, RuntimeError) as exc:  # bfloat16, complex32, quantized dtypes
             raise PolicyError(
                 f"Policy tensor `{name}` has dtype {tensor.dtype}, which has no numpy equivalent to travel as "
                 "raw bytes; cast the policy to float32 (or float16) before handing it over."
