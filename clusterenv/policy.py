@@ -12,6 +12,12 @@ Workers run the module on CPU, in eval mode, under ``torch.inference_mode()``, w
 intra-op thread (workers already are the parallelism). Floating observations are
 passed as float32; integer observations (images) unchanged, for the module to scale.
 
+The learner's module may live on a GPU (CUDA or MPS): both parts still travel as CPU data,
+so a worker never needs the learner's device. The architecture's placeholders are CPU
+tensors whatever the device, and a weight snapshot packs every tensor into one byte buffer
+on the device, copied to the host at once (one device-to-host transfer per snapshot). The
+learner's own copy (for the KL probes) runs on the module's device (:meth:`LocalPolicy.to`).
+
 This module imports torch; the rest of clusterenv imports it lazily, so workers that
 never receive a policy never pay for it.
 """
@@ -36,8 +42,10 @@ __all__ = [
     "LocalPolicy",
     "build_module",
     "load_weights",
+    "module_device",
     "pack_architecture",
     "policy_tensors",
+    "resolve_device",
     "snapshot_weights",
     "validate_policy",
 ]
@@ -45,6 +53,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _PROBE_BATCH = 2
+# Each tensor starts on a cache line of the snapshot buffer, so its numpy view is aligned for any dtype.
+_ALIGN = 64
 
 
 def _placeholder(shape: tuple[int, ...], dtype: str, requires_grad: bool, is_parameter: bool) -> torch.Tensor:
@@ -88,20 +98,105 @@ def policy_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(module.named_parameters()), **dict(module.named_buffers())}
 
 
+def module_device(module: nn.Module) -> torch.device:
+    """The one device that holds all of the module's parameters and buffers (CPU if it has none).
+
+    Raises:
+        PolicyError: the tensors are spread over several devices, or are on the ``meta`` device.
+    """
+    devices = {tensor.device for tensor in policy_tensors(module).values()}
+    if len(devices) > 1:
+        raise PolicyError(
+            f"The policy's tensors are on several devices ({', '.join(sorted(map(str, devices)))}); "
+            "move the whole module to one with `policy.to(device)`."
+        )
+    device = devices.pop() if devices else torch.device("cpu")
+    if device.type == "meta":
+        raise PolicyError(
+            "The policy's tensors are on the `meta` device, which holds no values to ship; "
+            "materialise the module (e.g. `policy.to_empty(device='cpu')` and load its weights) first."
+        )
+    return device
+
+
+def _device_reachable(device: torch.device) -> str | None:
+    """Why this process cannot run tensors on ``device``, or None if it can."""
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return f"this torch {torch.__version__} has no usable CUDA (`torch.cuda.is_available()` is False)"
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            return f"only {torch.cuda.device_count()} CUDA device(s) are visible"
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        return f"this torch {torch.__version__} has no usable MPS (`torch.backends.mps.is_available()` is False)"
+    elif device.type == "meta":
+        return "the `meta` device holds no values"
+    return None
+
+
+def resolve_device(module: nn.Module, device: str | torch.device | None) -> torch.device:
+    """Where the learner runs its copy of ``module``: where the module lives, checked against ``device``.
+
+    ``device=None`` takes the module's device. An explicit ``device`` must be reachable from
+    this process and name the module's device; ``"cuda"`` without an index matches any CUDA device.
+
+    Raises:
+        TypeError: ``device`` is not a str or ``torch.device``.
+        PolicyError: ``device`` is not a device, cannot be reached, or is not where the module lives.
+    """
+    actual = module_device(module)
+    if device is None:
+        return actual
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(
+            f"`device` must be a str or torch.device such as 'cuda' or 'cpu', got {type(device).__name__} {device!r}."
+        )
+    try:
+        wanted = torch.device(device)
+    except RuntimeError as exc:
+        raise PolicyError(f"`device={device!r}` is not a torch device: {exc}") from None
+    why = _device_reachable(wanted)
+    if why is not None:
+        raise PolicyError(
+            f"`device={str(wanted)!r}` cannot be used by this learner: {why}. The policy lives on {actual}; "
+            f"pass `device={str(actual)!r}` (or leave `device` unset) to keep it there."
+        )
+    if wanted.type != actual.type or (None not in (wanted.index, actual.index) and wanted.index != actual.index):
+        raise PolicyError(
+            f"`device={str(wanted)!r}`, but the policy lives on {actual}: move it first with "
+            f"`policy.to({str(wanted)!r})`, or pass `device={str(actual)!r}`."
+        )
+    return actual
+
+
 def snapshot_weights(module: nn.Module) -> tuple[list[str], list[np.ndarray]]:
-    """Names and private numpy copies of the module's tensors (later training does not change them)."""
-    names, arrays = [], []
-    for name, tensor in policy_tensors(module).items():
+    """Names and private numpy copies of the module's tensors (later training does not change them).
+
+    The tensors are packed into one byte buffer on their device, which is copied to the host
+    at once: one device-to-host transfer (and one synchronisation) however many tensors the
+    module has. The arrays are aligned views of that host buffer.
+    """
+    tensors = policy_tensors(module)
+    device = module_device(module)
+    layout: list[tuple[np.dtype, tuple[int, ...], int, int]] = []  # dtype, shape, offset, bytes
+    size = 0
+    for name, tensor in tensors.items():
         try:
-            array = tensor.detach().cpu().numpy().copy()
-        except TypeError as exc:
+            dtype = torch.empty(0, dtype=tensor.dtype).numpy().dtype
+        except (TypeError, RuntimeError) as exc:  # bfloat16, complex32, quantized dtypes
             raise PolicyError(
                 f"Policy tensor `{name}` has dtype {tensor.dtype}, which has no numpy equivalent to travel as "
                 "raw bytes; cast the policy to float32 (or float16) before handing it over."
             ) from exc
-        names.append(name)
-        arrays.append(np.ascontiguousarray(array))
-    return names, arrays
+        nbytes = tensor.numel() * tensor.element_size()
+        layout.append((dtype, tuple(tensor.shape), size, nbytes))
+        size += -(-nbytes // _ALIGN) * _ALIGN
+    packed = torch.empty(size, dtype=torch.uint8, device=device)
+    with torch.no_grad():
+        for tensor, (_, _, offset, nbytes) in zip(tensors.values(), layout, strict=True):
+            packed[offset : offset + nbytes].copy_(tensor.detach().reshape(-1).view(torch.uint8))
+    host = packed.cpu().numpy()  # the one device-to-host copy (a no-op for a CPU module: `packed` is already private)
+    arrays = [host[offset : offset + nbytes].view(dtype).reshape(shape) for dtype, shape, offset, nbytes in layout]
+    return list(tensors), arrays
 
 
 def load_weights(module: nn.Module, names: list[str], arrays: list[np.ndarray]) -> None:
@@ -132,11 +227,16 @@ def _as_input(obs: np.ndarray) -> torch.Tensor:
 
 
 class LocalPolicy:
-    """A shipped module plus its version: numpy observations in, float32 outputs ``(B, A)`` out."""
+    """A shipped module plus its version: numpy observations in, float32 outputs ``(B, A)`` out.
+
+    It is built on CPU (a worker's copy stays there); the learner moves its own copy to the
+    policy's device with :meth:`to`, and outputs still come back as host numpy arrays.
+    """
 
     def __init__(self, architecture: bytes, names: list[str], arrays: list[np.ndarray], version: int) -> None:
         self.module = build_module(architecture)
         self.names = list(names)
+        self.device = torch.device("cpu")
         self.load(arrays, version)
 
     def load(self, arrays: list[np.ndarray], version: int) -> None:
@@ -144,11 +244,29 @@ class LocalPolicy:
         load_weights(self.module, self.names, arrays)
         self.version = version
 
+    def to(self, device: torch.device) -> None:
+        """Run the module on ``device`` from now on."""
+        self.module.to(device)
+        self.device = device
+
+    def copy_from(self, module: nn.Module, version: int) -> None:
+        """Take ``module``'s current weights tensor by tensor, device to device, with no host round trip."""
+        tensors, sources = policy_tensors(self.module), policy_tensors(module)
+        if list(sources) != self.names:
+            raise PolicyError(
+                f"The module has tensors {list(sources)[:6]}..., but this policy has {self.names[:6]}...: "
+                "publish a module with the architecture that was shipped."
+            )
+        with torch.no_grad():
+            for name, source in sources.items():
+                tensors[name].copy_(source)
+        self.version = version
+
     def outputs(self, obs: np.ndarray) -> np.ndarray:
-        """The module's outputs on a batch of observations."""
+        """The module's outputs on a batch of observations, computed on :attr:`device`."""
         with torch.inference_mode():
-            out = self.module(_as_input(obs))
-        return out.detach().to(torch.float32).numpy()
+            out = self.module(_as_input(obs).to(self.device))
+        return out.detach().to(torch.float32).cpu().numpy()
 
 
 def validate_policy(module: nn.Module, observation_space: spaces.Space, action_space: spaces.Space, head: Head) -> None:

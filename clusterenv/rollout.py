@@ -46,6 +46,7 @@ from clusterenv.protocol import ROLLOUT_FIELDS, Kind, Message
 from clusterenv.sync import EveryUpdate, SyncStrategy, Telemetry, WorkerTelemetry
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from clusterenv.policy import LocalPolicy
@@ -70,6 +71,11 @@ class PolicyRunner:
     envs, flagged ``infos[0]["worker_restarted"]`` (the cut episode ends unflagged at the
     previous batch's ``next_obs``, from which the learner bootstraps). With
     ``on_worker_failure="raise"`` a lost worker raises ``WorkerLostError`` and closes the envs.
+
+    The learner's policy may live on a GPU (CUDA or MPS): the workers still get CPU copies
+    (architecture and weights travel as CPU data, so workers need no GPU), each
+    :meth:`publish` copies the weights to the host in one transfer, and the learner's outputs
+    on the probe states (for the KL checks) are computed on the policy's device.
 
     Example:
         >>> import clusterenv, torch
@@ -96,6 +102,7 @@ class PolicyRunner:
         measure_kl: bool = True,
         timeout: float | None = None,
         prefetch: int = 0,
+        device: str | torch.device | None = None,
     ) -> None:
         """Ship the policy (version 0) to every worker.
 
@@ -114,10 +121,13 @@ class PolicyRunner:
             measure_kl: also measure the KL for strategies that do not need it (for telemetry).
             timeout: seconds a rollout may take per call; default ``envs.timeout``.
             prefetch: rollouts each worker collects ahead of the learner (0: lockstep).
+            device: where the policy lives (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"mps"``); default:
+                the device of its parameters. It is a check, not a move: a device this process
+                cannot use, or one other than the policy's, raises :class:`PolicyError`.
         """
         from torch import nn
 
-        from clusterenv.policy import LocalPolicy, pack_architecture, snapshot_weights, validate_policy
+        from clusterenv.policy import LocalPolicy, pack_architecture, resolve_device, snapshot_weights, validate_policy
 
         if not isinstance(envs, ClusterEnv):
             raise TypeError(f"`envs` must be a ClusterEnv, whose workers can hold a policy, got {type(envs).__name__}.")
@@ -143,11 +153,14 @@ class PolicyRunner:
         self.probe_steps = probe_steps
         self.send_probes = measure_kl or sync.needs_kl
         self.timeout = timeout
+        self._device = resolve_device(policy, device)
         self._policy = policy
         self._architecture = pack_architecture(policy)
         self._names, self._weights = snapshot_weights(policy)
         self._learner: LocalPolicy = LocalPolicy(self._architecture, self._names, self._weights, version=0)
+        # Validated as the workers will run it, on CPU; then the learner's copy moves to the policy's device.
         validate_policy(self._learner.module, envs.single_observation_space, envs.single_action_space, self.head)
+        self._learner.to(self._device)
         self._version = 0
         self._probe_obs: list[np.ndarray | None] = [None] * envs.num_workers
         self._telemetry = Telemetry([WorkerTelemetry(w) for w in range(envs.num_workers)])
@@ -191,13 +204,23 @@ class PolicyRunner:
         It snapshots the weights (so later training does not change this version) for
         workers to pull when their strategy says so. In prefetch mode it also answers the
         pulls waiting for it and sends each worker the new version's outputs on its probe states.
+        A policy on a GPU is copied to the host in one transfer; the learner's copy for the KL
+        probes is updated device to device.
 
         Returns:
             The new learner version.
         """
+        from torch import nn
+
         from clusterenv.policy import snapshot_weights
 
-        names, weights = snapshot_weights(self._policy if policy is None else policy)
+        source = self._policy if policy is None else policy
+        if not isinstance(source, nn.Module):
+            raise PolicyError(
+                f"`policy` must be a torch.nn.Module to publish, got {type(source).__name__}; "
+                "to publish a state_dict, load it into the module first (`module.load_state_dict(...)`)."
+            )
+        names, weights = snapshot_weights(source)
         if names != self._names:
             raise PolicyError(
                 f"The published policy has tensors {names[:6]}..., but the shipped one has {self._names[:6]}...; "
@@ -211,7 +234,7 @@ class PolicyRunner:
                 )
         self._version += 1
         self._weights = weights
-        self._learner.load(weights, self._version)
+        self._learner.copy_from(source, self._version)
         if self._stream is not None and self._stream.started:
             self._pump(0.0)
             for w in range(self.envs.num_workers):
@@ -222,6 +245,11 @@ class PolicyRunner:
                     self._stream.pushed[w] = self._version
                 self._send_probe(w)
         return self._version
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the learner's policy, where the KL probes' learner outputs are computed."""
+        return self._device
 
     @property
     def version(self) -> int:

@@ -28,6 +28,8 @@ class Args:
     """if toggled, `torch.use_deterministic_algorithms(True)` (same seed, same results)"""
     torch_threads: int = 1
     """torch CPU threads; one is fastest for this small network and leaves the other cores to the envs"""
+    cuda: bool = True
+    """if toggled, the learner (network, optimizer, batches) runs on CUDA when torch can use it; else on the CPU"""
     backend: Literal["clusterenv", "gym"] = "clusterenv"
     """`clusterenv.ClusterEnv` (envs in worker processes) or `gym.vector.SyncVectorEnv` (the Gymnasium original)"""
     local_policy: bool = False
@@ -78,6 +80,8 @@ def check_args(args):
     """Bad CLI input ends here with a one-line error, before any worker starts."""
     if args.num_envs < 1:
         raise SystemExit(f"error: --num-envs must be at least 1, got {args.num_envs}")
+    if args.torch_threads < 1:
+        raise SystemExit(f"error: --torch-threads must be at least 1, got {args.torch_threads}")
     if args.train_frequency < 1 or args.target_network_frequency < 1:
         raise SystemExit("error: --train-frequency and --target-network-frequency must be at least 1")
     if args.local_policy and args.backend != "clusterenv":
@@ -175,10 +179,11 @@ if __name__ == "__main__":
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
-    torch.use_deterministic_algorithms(args.torch_deterministic)
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    # cuBLAS is deterministic only with a fixed workspace; on CUDA an op with no deterministic kernel warns, not fails.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=device.type != "cpu")
     torch.set_num_threads(args.torch_threads)
-
-    device = torch.device("cpu")
 
     # env setup: the Gymnasium original is `envs = gym.vector.SyncVectorEnv([...], autoreset_mode=...)`.
     # Gymnasium 1.x autoreset (CleanRL was written for 0.29): SAME_STEP resets a finished env within
@@ -237,6 +242,7 @@ if __name__ == "__main__":
             head=clusterenv.EpsilonGreedy(args.start_e),
             seed=args.seed,
             prefetch=args.prefetch,
+            device=device,  # the workers get CPU copies; the learner's KL probes run on `device`
         )
         global_step, trained, targeted = 0, 0, 0
         fragments = runner.fragments(args.fragment_steps)
@@ -323,4 +329,4 @@ if __name__ == "__main__":
         log.progress(num_iterations * args.num_envs, {})
         mode = args.backend
     envs.close()
-    log.close(f"DQN {args.env_id} ({mode}, seed {args.seed})")
+    log.close(f"DQN {args.env_id} ({mode}, seed {args.seed}, {device})")

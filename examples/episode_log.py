@@ -77,6 +77,6 @@ class EpisodeLog:
         ax.legend(loc="lower right")
         fig.savefig(os.path.join(self.run_dir, "learning_curve.png"), dpi=100)
         print(
-            f"{len(self.returns)} episodes in {time.time() - self.start:.0f} s; mean episodic return of the "
+            f"{title}: {len(self.returns)} episodes in {time.time() - self.start:.1f} s; mean episodic return of the "
             f"last {min(self.window, len(self.returns))}: {self.mean_return():.1f}; logs in {self.run_dir}"
         )

@@ -34,6 +34,8 @@ class Args:
     """if toggled, `torch.use_deterministic_algorithms(True)` (same seed, same results)"""
     torch_threads: int = 1
     """torch CPU threads (results are reproducible for a fixed number); more speed up the CNN"""
+    cuda: bool = True
+    """if toggled, the learner (network, optimizer, batches) runs on CUDA when torch can use it; else on the CPU"""
     backend: Literal["clusterenv", "gym"] = "clusterenv"
     """`clusterenv.ClusterEnv` (envs in worker processes) or `gym.vector.SyncVectorEnv` (the Gymnasium original)"""
     runs_dir: str = "runs"
@@ -92,6 +94,8 @@ def check_args(args):
     """Bad CLI input ends here with a one-line error, before any worker starts."""
     if args.num_envs < 1:
         raise SystemExit(f"error: --num-envs must be at least 1, got {args.num_envs}")
+    if args.torch_threads < 1:
+        raise SystemExit(f"error: --torch-threads must be at least 1, got {args.torch_threads}")
     if args.max_episode_frames < 1:
         raise SystemExit(f"error: --max-episode-frames must be at least 1, got {args.max_episode_frames}")
     if args.num_steps < 1 or args.num_minibatches < 1:
@@ -222,10 +226,11 @@ if __name__ == "__main__":
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
-    torch.use_deterministic_algorithms(args.torch_deterministic)
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    # cuBLAS is deterministic only with a fixed workspace; on CUDA an op with no deterministic kernel warns, not fails.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=device.type != "cpu")
     torch.set_num_threads(args.torch_threads)
-
-    device = torch.device("cpu")
 
     # env setup: the Gymnasium original is `envs = gym.vector.SyncVectorEnv([...])`
     VectorEnv = clusterenv.ClusterEnv if args.backend == "clusterenv" else gym.vector.SyncVectorEnv
@@ -373,4 +378,4 @@ if __name__ == "__main__":
         log.progress(global_step, scalars)
 
     envs.close()
-    log.close(f"PPO {args.env_id} ({args.backend}, seed {args.seed})")
+    log.close(f"PPO {args.env_id} ({args.backend}, seed {args.seed}, {device})")

@@ -33,6 +33,8 @@ class Args:
     """if toggled, `torch.use_deterministic_algorithms(True)` (same seed, same results)"""
     torch_threads: int = 1
     """torch CPU threads; one is fastest for this small network and leaves the other cores to the envs"""
+    cuda: bool = True
+    """if toggled, the learner (network, optimizer, batches) runs on CUDA when torch can use it; else on the CPU"""
     backend: Literal["clusterenv", "gym"] = "clusterenv"
     """`clusterenv.ClusterEnv` (envs in worker processes) or `gym.vector.SyncVectorEnv` (the Gymnasium original)"""
     local_policy: bool = False
@@ -97,6 +99,8 @@ def check_args(args):
     """Bad CLI input ends here with a one-line error, before any worker starts."""
     if args.num_envs < 1:
         raise SystemExit(f"error: --num-envs must be at least 1, got {args.num_envs}")
+    if args.torch_threads < 1:
+        raise SystemExit(f"error: --torch-threads must be at least 1, got {args.torch_threads}")
     if args.num_steps < 1 or args.num_minibatches < 1:
         raise SystemExit("error: --num-steps and --num-minibatches must be at least 1")
     if args.total_timesteps < args.num_envs * args.num_steps:
@@ -198,10 +202,11 @@ if __name__ == "__main__":
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
-    torch.use_deterministic_algorithms(args.torch_deterministic)
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    # cuBLAS is deterministic only with a fixed workspace; on CUDA an op with no deterministic kernel warns, not fails.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=device.type != "cpu")
     torch.set_num_threads(args.torch_threads)
-
-    device = torch.device("cpu")
 
     # env setup: the Gymnasium original is `envs = gym.vector.SyncVectorEnv([...])`
     env_fns = [make_env(args.env_id, i, run_name, args.gamma) for i in range(args.num_envs)]
@@ -222,6 +227,7 @@ if __name__ == "__main__":
             clusterenv.APS(threshold=args.aps_threshold),
             head=clusterenv.Gaussian(),
             seed=args.seed,
+            device=device,
             prefetch=args.prefetch,
         )
         if args.local_policy
@@ -258,16 +264,17 @@ if __name__ == "__main__":
             for t, info in enumerate(batch.infos):
                 log.record(global_step + (t + 1) * args.num_envs, info)
             global_step += args.batch_size
-            obs.copy_(torch.as_tensor(batch.obs))
-            actions.copy_(torch.as_tensor(batch.actions))
-            logprobs.copy_(torch.as_tensor(batch.logprobs))
-            rewards.copy_(torch.as_tensor(batch.rewards))
-            terminated.copy_(torch.as_tensor(batch.terminations))
-            truncated.copy_(torch.as_tensor(batch.truncations))
-            autoreset.copy_(torch.as_tensor(batch.autoreset))
+            tensors = batch.as_tensors(device)
+            obs.copy_(tensors["obs"])
+            actions.copy_(tensors["actions"])
+            logprobs.copy_(tensors["logprobs"])
+            rewards.copy_(tensors["rewards"])
+            terminated.copy_(tensors["terminations"])
+            truncated.copy_(tensors["truncations"])
+            autoreset.copy_(tensors["autoreset"])
             with torch.no_grad():
                 values.copy_(agent.get_value(obs).squeeze(-1))
-            next_obs = torch.Tensor(batch.next_obs).to(device)
+            next_obs = tensors["next_obs"].float()
         else:
             for step in range(0, args.num_steps):
                 global_step += args.num_envs
@@ -398,4 +405,4 @@ if __name__ == "__main__":
         runner.stop()
     envs.close()
     mode = f"local policy, APS {args.aps_threshold}, prefetch {args.prefetch}" if args.local_policy else args.backend
-    log.close(f"PPO {args.env_id} ({mode}, seed {args.seed})")
+    log.close(f"PPO {args.env_id} ({mode}, seed {args.seed}, {device})")

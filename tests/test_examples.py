@@ -29,8 +29,20 @@ TINY = {
         "--local-policy",
         "--aps-threshold",
         "0.01",
+        "--cuda",  # CUDA if this torch can use it, else the CPU: the flag must work either way
     ),
-    "dqn_cartpole": ("dqn_cartpole.py", "--total-timesteps", "1200", "--num-envs", "2", "--learning-starts", "400"),
+    "dqn_cartpole": (
+        "dqn_cartpole.py",
+        "--total-timesteps",
+        "1200",
+        "--num-envs",
+        "2",
+        "--learning-starts",
+        "400",
+        "--no-cuda",
+        "--torch-threads",
+        "2",
+    ),
     # Pendulum-v1 (200-step episodes) stands in for HalfCheetah, which needs MuJoCo.
     "ppo_continuous": (
         "ppo_continuous.py",
@@ -141,6 +153,10 @@ BAD_INPUT = {
         "error: --env-id 'CartPoel-v1': Environment `CartPoel` doesn't exist. Did you mean: `CartPole`?",
     ),
     "zero envs": (("dqn_cartpole.py", "--num-envs", "0"), "error: --num-envs must be at least 1, got 0"),
+    "zero torch threads": (
+        ("ppo_atari.py", "--torch-threads", "0"),
+        "error: --torch-threads must be at least 1, got 0",
+    ),
     "not an Atari env": (
         ("ppo_atari.py", "--env-id", "CartPole-v1"),
         "error: --env-id 'CartPole-v1' is not an Atari (ale-py) environment",
