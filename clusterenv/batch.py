@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["RolloutBatch"]
+    #: What ``as_tensors`` makes of an observation field: a tensor, or a dict/tuple tree of them.
+    TensorTree: TypeAlias = torch.Tensor | dict[str, "TensorTree"] | tuple["TensorTree", ...]
+
+__all__ = ["ObsTree", "RolloutBatch"]
+
+#: An observation field: one array, or for ``Dict``/``Tuple`` spaces a dict/tuple of them, nested as the space.
+ObsTree: TypeAlias = np.ndarray | dict[str, "ObsTree"] | tuple["ObsTree", ...]
 
 
 @dataclass
@@ -33,8 +39,13 @@ class RolloutBatch:
     A *fragment* (:meth:`PolicyRunner.fragments`) is the same for the envs of one worker:
     column ``j`` is env ``env_ids[j]``.
 
+    Observations keep the structure and dtypes of the observation space: for a ``Dict`` or
+    ``Tuple`` space ``obs`` and ``next_obs`` are a dict (keys in space order) or tuple of
+    arrays, nested as the space is, each leaf shaped ``(T, N, *leaf_shape)`` (``(N, ...)``
+    for ``next_obs``) in the leaf's own dtype (an image stays uint8).
+
     Attributes:
-        obs: ``(T, N, *obs_shape)``, the observation dtype.
+        obs: ``(T, N, *obs_shape)``, the observation dtype; a dict/tuple of such arrays for ``Dict``/``Tuple`` spaces.
         actions: ``(T, N, *action_shape)``, the head's samples (Discrete: int64 indices from 0;
             the env received ``head.to_env(actions)``, e.g. plus the space's ``start``, or
             clipped to a Box).
@@ -45,14 +56,14 @@ class RolloutBatch:
         truncations: ``(T, N)`` bool.
         autoreset: ``(T, N)`` bool, True on NEXT_STEP reset steps.
         policy_versions: ``(T, N)`` int64, the learner version of the weights that acted at each step.
-        next_obs: ``(N, *obs_shape)``, the observation after the last step.
+        next_obs: ``(N, *obs_shape)``, the observation after the last step (structured as ``obs``).
         infos: ``T`` step-mode info dicts (``episode`` statistics if the envs record them).
         learner_version: the latest published version when the batch was handed to the learner;
             ``learner_version - policy_versions`` is each step's policy lag.
         env_ids: ``(N,)`` the global index of each column's env.
     """
 
-    obs: np.ndarray
+    obs: ObsTree
     actions: np.ndarray
     logprobs: np.ndarray
     logits: np.ndarray
@@ -61,7 +72,7 @@ class RolloutBatch:
     truncations: np.ndarray
     autoreset: np.ndarray
     policy_versions: np.ndarray
-    next_obs: np.ndarray
+    next_obs: ObsTree
     infos: list[dict[str, Any]] = field(repr=False)
     learner_version: int = 0
     env_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
@@ -76,14 +87,15 @@ class RolloutBatch:
         """``N``."""
         return int(self.actions.shape[1])
 
-    def as_tensors(self, device: str | torch.device | None = None) -> dict[str, torch.Tensor]:
-        """Every array field as a torch tensor on ``device`` (same dtypes; bools stay bool)."""
-        import torch
+    def as_tensors(self, device: str | torch.device | None = None) -> dict[str, TensorTree]:
+        """Every array field as a torch tensor on ``device`` (same dtypes; bools stay bool).
 
+        ``obs`` and ``next_obs`` of a ``Dict``/``Tuple`` space become a dict/tuple of tensors.
+        """
         return {
-            f.name: torch.as_tensor(getattr(self, f.name), device=device)
+            f.name: _as_tensors(getattr(self, f.name), device)
             for f in fields(self)
-            if isinstance(getattr(self, f.name), np.ndarray) and f.name != "env_ids"
+            if isinstance(getattr(self, f.name), (np.ndarray, dict, tuple)) and f.name != "env_ids"
         }
 
     def episodes(self) -> list[tuple[int, int, float, int]]:
@@ -102,4 +114,11 @@ class RolloutBatch:
         return ended
 
 
-# -- learner side --------------------------------------------------------------------------
+def _as_tensors(value: ObsTree, device: str | torch.device | None) -> TensorTree:
+    import torch
+
+    if isinstance(value, np.ndarray):
+        return torch.as_tensor(value, device=device)
+    if isinstance(value, dict):
+        return {key: _as_tensors(item, device) for key, item in value.items()}
+    return tuple(_as_tensors(item, device) for item in value)

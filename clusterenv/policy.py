@@ -1,7 +1,9 @@
 """Shipping a torch policy to workers and running it there.
 
 A policy is a ``torch.nn.Module`` mapping a batch of observations ``(B, *obs_shape)`` to
-one output per action ``(B, A)`` (logits, or Q-values). It travels in two parts:
+one output per action ``(B, A)`` (logits, or Q-values). For a ``Dict`` or ``Tuple``
+observation space the batch is a dict (keys in space order) or tuple of such tensors,
+nested as the space is. It travels in two parts:
 
 * the *architecture*, once: the module cloudpickled with every tensor replaced by an
   empty placeholder of the same shape and dtype, so no weight bytes hide in the pickle;
@@ -10,7 +12,8 @@ one output per action ``(B, A)`` (logits, or Q-values). It travels in two parts:
 
 Workers run the module on CPU, in eval mode, under ``torch.inference_mode()``, with one
 intra-op thread (workers already are the parallelism). Floating observations are
-passed as float32; integer observations (images) unchanged, for the module to scale.
+passed as float32; integer observations (images, Discrete indices) unchanged, for the
+module to scale or embed.
 
 The learner's module may live on a GPU (CUDA or MPS): both parts still travel as CPU data,
 so a worker never needs the learner's device. The architecture's placeholders are CPU
@@ -35,6 +38,7 @@ from gymnasium import spaces
 from gymnasium.vector.utils import create_empty_array
 from torch import nn
 
+from clusterenv.batching import is_array_tree
 from clusterenv.errors import PolicyError
 from clusterenv.heads import Head
 
@@ -226,8 +230,30 @@ def _as_input(obs: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(obs)
 
 
+def _as_inputs(obs: Any, device: torch.device) -> Any:
+    """A batch of observations as the module takes it: one tensor per leaf, in the value's dict/tuple structure."""
+    if isinstance(obs, np.ndarray):  # the common case first: one array space, no tree to walk
+        return _as_input(obs).to(device)
+    if isinstance(obs, dict):
+        return {key: _as_inputs(value, device) for key, value in obs.items()}
+    return tuple(_as_inputs(value, device) for value in obs)
+
+
+def _describe(inputs: Any) -> str:
+    """``{'image': (2, 6, 5, 3) uint8, ...}``: the structure, shapes and dtypes of the module's input."""
+    if isinstance(inputs, torch.Tensor):
+        return f"{tuple(inputs.shape)} {str(inputs.dtype).removeprefix('torch.')}"
+    if isinstance(inputs, dict):
+        return "{" + ", ".join(f"{key!r}: {_describe(value)}" for key, value in inputs.items()) + "}"
+    parts = [_describe(value) for value in inputs]
+    return "(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"
+
+
 class LocalPolicy:
     """A shipped module plus its version: numpy observations in, float32 outputs ``(B, A)`` out.
+
+    Observations are one array, or for ``Dict``/``Tuple`` spaces a dict/tuple of arrays
+    (nested as the space is), batched along the first axis of every leaf.
 
     It is built on CPU (a worker's copy stays there); the learner moves its own copy to the
     policy's device with :meth:`to`, and outputs still come back as host numpy arrays.
@@ -262,32 +288,41 @@ class LocalPolicy:
                 tensors[name].copy_(source)
         self.version = version
 
-    def outputs(self, obs: np.ndarray) -> np.ndarray:
-        """The module's outputs on a batch of observations, computed on :attr:`device`."""
+    def outputs(self, obs: Any) -> np.ndarray:
+        """The module's outputs on a batch of observations (an array, or a dict/tuple tree of them), on :attr:`device`."""
         with torch.inference_mode():
-            out = self.module(_as_input(obs).to(self.device))
+            out = self.module(_as_inputs(obs, self.device))
         return out.detach().to(torch.float32).cpu().numpy()
 
 
 def validate_policy(module: nn.Module, observation_space: spaces.Space, action_space: spaces.Space, head: Head) -> None:
     """Raise :class:`PolicyError` unless ``module`` maps batched observations to the outputs ``head`` needs.
 
-    Run it on a CPU copy (:func:`build_module` plus :func:`load_weights`): it calls the module.
+    The sample batch has the structure the workers will pass: one tensor for an array
+    space, a dict/tuple of tensors (nested) for a ``Dict``/``Tuple`` space. Run it on a
+    CPU copy (:func:`build_module` plus :func:`load_weights`): it calls the module.
     """
     width = head.output_width(action_space)  # raises if the head cannot act in this space
-    if not isinstance(observation_space, (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)):
+    if not is_array_tree(observation_space):
         raise PolicyError(
-            f"Local policies take one observation array, but the envs have observation space {observation_space}."
+            "Local policies take observations of array spaces (Box, Discrete, MultiDiscrete, MultiBinary, and "
+            f"Dict/Tuple of them, nested), but the envs have observation space {observation_space}."
         )
-    obs = np.asarray(create_empty_array(observation_space, n=_PROBE_BATCH, fn=np.zeros))
+    sample = create_empty_array(observation_space, n=_PROBE_BATCH, fn=np.zeros)
+    inputs = _as_inputs(sample, torch.device("cpu"))
     try:
         with torch.inference_mode():
-            out = module(_as_input(obs))
+            out = module(inputs)
     except Exception as exc:
-        raise PolicyError(
-            f"The policy raised {type(exc).__name__} on a batch of observations of shape {obs.shape} and dtype "
-            f"{obs.dtype}: {exc}"
-        ) from exc
+        if isinstance(inputs, torch.Tensor):
+            given = f"of shape {tuple(inputs.shape)} and dtype {np.asarray(sample).dtype}"
+        else:
+            kind = "dict" if isinstance(inputs, dict) else "tuple"
+            given = (
+                f"of space {observation_space}, passed as a {kind} of tensors {_describe(inputs)} (wrap the env in "
+                "gymnasium.wrappers.FlattenObservation for one flat vector instead)"
+            )
+        raise PolicyError(f"The policy raised {type(exc).__name__} on a batch of observations {given}: {exc}") from exc
     if (
         not isinstance(out, torch.Tensor)
         or out.ndim != 2

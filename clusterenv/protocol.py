@@ -44,7 +44,9 @@ __all__ = [
     "coalesce",
     "decode",
     "encode",
+    "rollout_frames",
     "split",
+    "split_rollout_frames",
 ]
 
 PROTOCOL_VERSION = 1
@@ -90,7 +92,8 @@ class Kind(IntEnum):
 
 _KINDS = {int(kind): kind for kind in Kind}
 
-#: The transition arrays of a ROLLOUT_RESULT, in frame order (``next_obs`` follows them).
+#: The transition arrays of a ROLLOUT_RESULT, in frame order (``next_obs`` follows them). ``obs`` and
+#: ``next_obs`` take one frame per leaf of the observation space, in ``batching.leaf_arrays`` order.
 ROLLOUT_FIELDS = (
     "obs",
     "actions",
@@ -102,6 +105,30 @@ ROLLOUT_FIELDS = (
     "autoreset",
     "policy_versions",
 )
+
+
+def rollout_frames(
+    obs: list[np.ndarray], fields: dict[str, np.ndarray], next_obs: list[np.ndarray]
+) -> list[np.ndarray]:
+    """The array frames of a ROLLOUT_RESULT: the observation leaves, the other fields, the next observation leaves."""
+    return [*obs, *(fields[name] for name in ROLLOUT_FIELDS[1:]), *next_obs]
+
+
+def split_rollout_frames(
+    arrays: list[np.ndarray], num_leaves: int
+) -> tuple[list[np.ndarray], dict[str, np.ndarray], list[np.ndarray]]:
+    """Inverse of :func:`rollout_frames` for an observation space of ``num_leaves`` leaves."""
+    expected = 2 * num_leaves + len(ROLLOUT_FIELDS) - 1
+    if len(arrays) != expected:
+        raise ProtocolError(
+            f"A rollout result must have {expected} arrays for {num_leaves} observation leaves, got {len(arrays)}."
+        )
+    end = len(arrays) - num_leaves
+    return (
+        list(arrays[:num_leaves]),
+        dict(zip(ROLLOUT_FIELDS[1:], arrays[num_leaves:end], strict=True)),
+        list(arrays[end:]),
+    )
 
 
 @dataclass

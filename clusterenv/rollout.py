@@ -37,12 +37,12 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 
 from clusterenv.batch import RolloutBatch
-from clusterenv.batching import InfoRecord, replay_infos
+from clusterenv.batching import InfoRecord, leaf_specs, replay_infos, unflatten
 from clusterenv.env import WORKER_RESTARTED_KEY, ClusterEnv
 from clusterenv.errors import PolicyError, ProtocolError, WorkerTimeoutError
 from clusterenv.heads import Head, default_head
 from clusterenv.pool import WorkerPool, weak_callback
-from clusterenv.protocol import ROLLOUT_FIELDS, Kind, Message
+from clusterenv.protocol import ROLLOUT_FIELDS, Kind, Message, split_rollout_frames
 from clusterenv.sync import EveryUpdate, SyncStrategy, Telemetry, WorkerTelemetry
 
 if TYPE_CHECKING:
@@ -71,6 +71,17 @@ class PolicyRunner:
     envs, flagged ``infos[0]["worker_restarted"]`` (the cut episode ends unflagged at the
     previous batch's ``next_obs``, from which the learner bootstraps). With
     ``on_worker_failure="raise"`` a lost worker raises ``WorkerLostError`` and closes the envs.
+
+    Observations reach the policy as the observation space structures them, batched along
+    the first axis: one tensor ``(B, *obs_shape)`` for a ``Box``, ``Discrete``,
+    ``MultiDiscrete`` or ``MultiBinary`` space; a dict of tensors (keys in the space's
+    order) for a ``Dict`` space and a tuple of tensors for a ``Tuple`` space, nested as the
+    space is. Floating leaves arrive as float32, integer leaves (uint8 images, Discrete
+    indices) in their own dtype, for the module to scale or embed. Nothing is flattened:
+    a module that wants one flat vector can be given envs wrapped in Gymnasium's
+    ``FlattenObservation`` (which one-hot encodes Discrete leaves). The batches keep the
+    same structure and the leaves' own dtypes (see :class:`RolloutBatch`). Spaces
+    without a fixed array form (``Text``, ``Graph``, ``Sequence``) are refused.
 
     The learner's policy may live on a GPU (CUDA or MPS): the workers still get CPU copies
     (architecture and weights travel as CPU data, so workers need no GPU), each
@@ -108,9 +119,9 @@ class PolicyRunner:
 
         Args:
             envs: the environments; their workers get the policy.
-            policy: a ``torch.nn.Module`` mapping observations ``(B, *obs_shape)`` to outputs
-                ``(B, width)`` (logits, Q-values, or the head's parameters), or a zero-argument
-                callable returning one.
+            policy: a ``torch.nn.Module`` mapping observations ``(B, *obs_shape)`` (a dict or
+                tuple of such tensors for ``Dict``/``Tuple`` spaces) to outputs ``(B, width)``
+                (logits, Q-values, or the head's parameters), or a zero-argument callable returning one.
             sync: when workers pull new weights; default :class:`~clusterenv.sync.EveryUpdate`.
             head: how outputs become the acting distribution; default
                 :func:`~clusterenv.heads.default_head` of the action space (Discrete: softmax).
@@ -162,7 +173,9 @@ class PolicyRunner:
         validate_policy(self._learner.module, envs.single_observation_space, envs.single_action_space, self.head)
         self._learner.to(self._device)
         self._version = 0
-        self._probe_obs: list[np.ndarray | None] = [None] * envs.num_workers
+        self._num_leaves = len(leaf_specs(envs.single_observation_space))
+        # Per worker, its latest probe states: one array per observation leaf, (states, *leaf_shape).
+        self._probe_obs: list[list[np.ndarray] | None] = [None] * envs.num_workers
         self._telemetry = Telemetry([WorkerTelemetry(w) for w in range(envs.num_workers)])
         self._stream = _Stream(envs.num_workers) if prefetch else None
         self._ship(cloudpickle.dumps(sync))
@@ -431,7 +444,7 @@ class PolicyRunner:
                 if stream.sent[w].pop(rollout_id, None) is None:
                     continue  # already answered before its worker was replaced
                 stream.results[w][rollout_id] = msg
-                self._keep_probe_states(w, msg)
+                self._keep_probe_states(w, self._frames(w, msg)[0])
                 self._send_probe(w, rollout_id)
                 arrived.append(w)
             else:
@@ -454,7 +467,7 @@ class PolicyRunner:
             return
         rollout_id = stream.probe_id[worker_id] if rollout_id is None else rollout_id
         stream.probe_id[worker_id] = rollout_id
-        outputs = self._learner.outputs(obs)
+        outputs = self._learner.outputs(unflatten(self.envs.single_observation_space, obs))
         meta = {"rollout_id": rollout_id, "version": self._version}
         self.envs.pool.send(worker_id, Kind.PROBE, meta, [outputs])
         self._telemetry.workers[worker_id].probe_bytes += outputs.nbytes
@@ -481,15 +494,16 @@ class PolicyRunner:
         present = [obs for obs in self._probe_obs if obs is not None]
         if not present:
             return [None] * len(self._probe_obs)
-        flat = self._learner.outputs(np.concatenate(present))
+        leaves = [np.concatenate(leaf) for leaf in zip(*present, strict=True)]
+        flat = self._learner.outputs(unflatten(self.envs.single_observation_space, leaves))
         result: list[np.ndarray | None] = []
         start = 0
         for obs in self._probe_obs:
             if obs is None:
                 result.append(None)
             else:
-                result.append(flat[start : start + len(obs)])
-                start += len(obs)
+                result.append(flat[start : start + len(obs[0])])
+                start += len(obs[0])
         return result
 
     def _answer_pull(self, worker_id: int, msg: Message) -> bool:
@@ -501,38 +515,47 @@ class PolicyRunner:
         record.weight_bytes += sum(a.nbytes for a in self._weights)
         return True
 
-    def _keep_probe_states(self, worker_id: int, msg: Message) -> None:
-        obs = msg.arrays[0]
-        probe = min(self.probe_steps, len(obs))
-        self._probe_obs[worker_id] = obs[len(obs) - probe :].reshape(-1, *obs.shape[2:]).copy()
+    def _keep_probe_states(self, worker_id: int, obs: list[np.ndarray]) -> None:
+        """Keep the last ``probe_steps`` steps of a rollout's observation leaves ``(T, n, ...)``: what the worker keeps."""
+        probe = min(self.probe_steps, len(obs[0]))
+        self._probe_obs[worker_id] = [leaf[len(leaf) - probe :].reshape(-1, *leaf.shape[2:]).copy() for leaf in obs]
 
     # -- assembling ------------------------------------------------------------------------
+    def _frames(self, worker_id: int, msg: Message) -> tuple[list[np.ndarray], dict[str, np.ndarray], list[np.ndarray]]:
+        """A ROLLOUT_RESULT's observation leaves, other transition arrays by name, and next observation leaves."""
+        try:
+            return split_rollout_frames(msg.arrays, self._num_leaves)
+        except ProtocolError as exc:
+            raise ProtocolError(f"Worker {worker_id} answered a rollout wrongly: {exc}") from None
+
     def _assemble(self, replies: dict[int, Message], steps: int) -> RolloutBatch:
         """One batch from the workers in ``replies`` (all of them, or one for a fragment), in env order."""
         envs = self.envs
         slices = [envs.worker_slices[w] for w in sorted(replies)]
         num_envs = sum(sl.stop - sl.start for sl in slices)
-        parts: dict[str, list[np.ndarray]] = {name: [] for name in (*ROLLOUT_FIELDS, "next_obs")}
+        parts: dict[str, list[np.ndarray]] = {name: [] for name in ROLLOUT_FIELDS[1:]}
+        obs_parts: list[list[np.ndarray]] = []  # per worker, its observation leaves
+        next_parts: list[list[np.ndarray]] = []
         logs: list[tuple[int, list[list[InfoRecord]]]] = []
         restarted: list[InfoRecord] = []
         offset = 0
         for w, sl in zip(sorted(replies), slices, strict=True):
             msg = replies[w]
-            if msg.kind is not Kind.ROLLOUT_RESULT or len(msg.arrays) != len(ROLLOUT_FIELDS) + 1:
+            if msg.kind is not Kind.ROLLOUT_RESULT:
                 raise ProtocolError(f"Worker {w} answered a rollout with {msg.kind.name} and {len(msg.arrays)} arrays.")
-            for name, array in zip(ROLLOUT_FIELDS, msg.arrays, strict=False):
+            obs, transitions, next_obs = self._frames(w, msg)
+            for name, array in transitions.items():
                 parts[name].append(array)
-            parts["next_obs"].append(msg.arrays[-1])
+            obs_parts.append(obs)
+            next_parts.append(next_obs)
             record = self._telemetry.workers[w]
-            lags, counts = np.unique(
-                self._version - msg.arrays[ROLLOUT_FIELDS.index("policy_versions")], return_counts=True
-            )
+            lags, counts = np.unique(self._version - transitions["policy_versions"], return_counts=True)
             for lag, count in zip(lags.tolist(), counts.tolist(), strict=True):
                 record.lag_counts[lag] += count
             if msg.meta.get("kl") is not None:
                 record.record_kl(float(msg.meta["kl"]))
             if self._stream is None:  # prefetch mode keeps them as each result arrives
-                self._keep_probe_states(w, msg)
+                self._keep_probe_states(w, obs)
             if msg.blobs[0]:
                 logs.append((offset, pickle.loads(msg.blobs[0])))
             if msg.meta.get("restarted"):
@@ -546,9 +569,15 @@ class PolicyRunner:
             infos.append(info)
         if restarted:  # a replacement's envs started new episodes at step 0
             infos[0] = replay_infos(infos[0], restarted, num_envs, 0)
-        arrays = {name: np.concatenate(values, axis=0 if name == "next_obs" else 1) for name, values in parts.items()}
+        arrays = {name: np.concatenate(values, axis=1) for name, values in parts.items()}
+        # Per leaf, the workers' columns side by side; then the leaves in the observation space's structure.
+        space = envs.single_observation_space
+        obs_tree = unflatten(space, [np.concatenate(leaf, axis=1) for leaf in zip(*obs_parts, strict=True)])
+        next_tree = unflatten(space, [np.concatenate(leaf, axis=0) for leaf in zip(*next_parts, strict=True)])
         env_ids = np.concatenate([np.arange(sl.start, sl.stop) for sl in slices])
-        return RolloutBatch(**arrays, infos=infos, learner_version=self._version, env_ids=env_ids)
+        return RolloutBatch(
+            obs=obs_tree, next_obs=next_tree, **arrays, infos=infos, learner_version=self._version, env_ids=env_ids
+        )
 
 
 class _Stream:

@@ -13,7 +13,8 @@ Protocol, per worker and per rollout (the learner's side is
                                                ←          ROLLOUT_RESULT(transitions, version, kl)
 
 so a pull costs one extra round trip, only when it happens. The probe states are the
-observations of the worker's last ``probe_steps`` steps: the learner has just received
+observations of the worker's last ``probe_steps`` steps (per leaf, for ``Dict``/``Tuple``
+observation spaces): the learner has just received
 them in the previous ROLLOUT_RESULT and the worker kept its own outputs on them, so only
 the learner's small ``(states, actions)`` output array travels. The policy itself
 (architecture once, weights as raw frames) travels with SET_POLICY.
@@ -31,9 +32,10 @@ import cloudpickle
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
+from clusterenv.batching import is_array_tree, leaf_arrays, unflatten
 from clusterenv.errors import PolicyError
 from clusterenv.heads import head_from_meta
-from clusterenv.protocol import ROLLOUT_FIELDS, Kind, Message
+from clusterenv.protocol import Kind, Message, rollout_frames
 from clusterenv.sync import EveryUpdate, SyncStrategy, mean_kl
 
 if TYPE_CHECKING:
@@ -57,9 +59,9 @@ class _WorkerPolicy:
         self.rngs: list[np.random.Generator] = []
         self.probe_outputs: np.ndarray | None = None
         self.pending: dict[str, Any] | None = None
-        # Prefetch mode: the probe states of recent rollouts by id, the learner's latest outputs on
-        # one of them, and whether a pull is on its way.
-        self.probe_obs: dict[int, np.ndarray] = {}
+        # Prefetch mode: the probe states of recent rollouts by id (an array, or a dict/tuple tree of
+        # them), the learner's latest outputs on one of them, and whether a pull is on its way.
+        self.probe_obs: dict[int, Any] = {}
         self.learner_probe: tuple[int, int, np.ndarray] | None = None
         self.pull_outstanding = False
 
@@ -72,6 +74,8 @@ class _WorkerPolicy:
         torch.set_num_threads(1)
         envs = self.worker.envs
         assert envs is not None
+        if not is_array_tree(envs.single_observation_space):  # the learner refuses these before shipping
+            raise PolicyError(f"Local policies cannot take observations of space {envs.single_observation_space}.")
         self.policy = LocalPolicy(msg.blobs[0], msg.meta["names"], list(msg.arrays), version=msg.meta["version"])
         self.strategy = pickle.loads(msg.blobs[1])
         seed = msg.meta["seed"]
@@ -96,7 +100,7 @@ class _WorkerPolicy:
         if pull:
             self.pending = request
             return Message(Kind.WEIGHTS_REQUEST, {"kl": request["kl"], "version": self.policy.version})
-        return self._act(request)
+        return self._act(request)[0]
 
     def _prefetched(self, request: dict[str, Any]) -> Message:
         """A rollout of a prefetching runner: check the KL, ask for weights without waiting, act."""
@@ -115,11 +119,12 @@ class _WorkerPolicy:
         if pull and not self.pull_outstanding:
             self.pull_outstanding = True
             mailbox.send(Message(Kind.WEIGHTS_REQUEST, {"kl": request["kl"], "version": self.policy.version}))
-        reply = self._act(request, between_steps=mailbox.poll)
+        reply, obs = self._act(request, between_steps=mailbox.poll)
         rollout_id = int(request["rollout_id"])
         probe = min(int(request["probe_steps"]), int(request["num_steps"]))
-        obs = reply.arrays[0]
-        self.probe_obs[rollout_id] = obs[len(obs) - probe :].reshape(-1, *obs.shape[2:]).copy()
+        leaves = [leaf[len(leaf) - probe :].reshape(-1, *leaf.shape[2:]).copy() for leaf in obs]
+        assert self.worker.envs is not None
+        self.probe_obs[rollout_id] = unflatten(self.worker.envs.single_observation_space, leaves)
         for old in [r for r in self.probe_obs if r < rollout_id - int(request["keep_probes"])]:
             del self.probe_obs[old]
         reply.meta["rollout_id"] = rollout_id
@@ -137,9 +142,12 @@ class _WorkerPolicy:
             self.pull_outstanding = False
             return None
         request, self.pending = self.pending, None
-        return Message(Kind.VALUE) if request is None else self._act(request)
+        return Message(Kind.VALUE) if request is None else self._act(request)[0]
 
-    def _act(self, request: dict[str, Any], between_steps: Callable[[], None] | None = None) -> Message:
+    def _act(
+        self, request: dict[str, Any], between_steps: Callable[[], None] | None = None
+    ) -> tuple[Message, list[np.ndarray]]:
+        """Act ``num_steps`` steps; the ROLLOUT_RESULT, and its observation leaves ``(T, n, ...)``."""
         envs, policy, worker = self.worker.envs, self.policy, self.worker
         assert envs is not None and policy is not None
         steps, head, n = int(request["num_steps"]), request["head"], envs.num_envs
@@ -149,9 +157,18 @@ class _WorkerPolicy:
             envs.info_log = []
             worker.never_reset = False
         next_step = envs.autoreset_mode == AutoresetMode.NEXT_STEP
+        space = envs.single_observation_space
         current = envs.current_observations
+        # One rollout buffer per observation leaf, written straight from the env's batch each step. A
+        # single array space (the common case) is one leaf and takes no tree walk per step.
+        single = isinstance(current, np.ndarray)
+        obs = [
+            np.empty((steps, *leaf.shape), dtype=leaf.dtype)
+            for leaf in ([current] if single else leaf_arrays(space, current))
+        ]
+        # What the policy sees at each step: views of those buffers, in the space's structure.
+        inputs = obs[0] if single else [unflatten(space, [leaf[t] for leaf in obs]) for t in range(steps)]
         out: dict[str, np.ndarray] = {
-            "obs": np.empty((steps, *current.shape), dtype=current.dtype),
             "logprobs": np.empty((steps, n), dtype=np.float32),
             "rewards": np.empty((steps, n), dtype=np.float64),
             "terminations": np.empty((steps, n), dtype=np.bool_),
@@ -166,10 +183,14 @@ class _WorkerPolicy:
                 if worker.mailbox.closing:
                     raise RolloutAborted
             # Copy: with copy=False the env writes its next observation into this same buffer.
-            out["obs"][t] = current
+            if single:
+                obs[0][t] = current
+            else:
+                for buffer, leaf in zip(obs, leaf_arrays(space, current), strict=True):
+                    buffer[t] = leaf
             if next_step:
                 out["autoreset"][t] = envs.autoresetting()
-            logits = policy.outputs(out["obs"][t])
+            logits = policy.outputs(inputs[t])
             actions, out["logprobs"][t] = head.act(logits, self.rngs)
             if t == 0:  # shapes and dtypes come from the head: (n, *action_shape)
                 out["logits"] = np.empty((steps, *logits.shape), dtype=np.float32)
@@ -182,10 +203,10 @@ class _WorkerPolicy:
             envs.info_log = []
         probe = min(int(request["probe_steps"]), steps)
         self.probe_outputs = out["logits"][steps - probe :].reshape(probe * n, -1).copy()
-        arrays = [out[name] for name in ROLLOUT_FIELDS] + [np.array(current)]
+        next_obs = [np.array(current)] if single else [np.array(leaf) for leaf in leaf_arrays(space, current)]
         blobs = [cloudpickle.dumps(info_logs) if any(info_logs) else b""]
         meta = {"version": policy.version, "kl": request["kl"], "restarted": restarted}
-        return Message(Kind.ROLLOUT_RESULT, meta, arrays, blobs)
+        return Message(Kind.ROLLOUT_RESULT, meta, rollout_frames(obs, out, next_obs), blobs), obs
 
 
 def install(worker: Worker) -> None:

@@ -22,10 +22,16 @@ class RichSpacesEnv(gym.Env):
 
     metadata = {"render_modes": ["rgb_array"], "render_fps": 30}
 
-    def __init__(self, action_kind: str = "discrete", max_len: int = 17, render_mode: str | None = None) -> None:
+    def __init__(
+        self,
+        action_kind: str = "discrete",
+        max_len: int = 17,
+        render_mode: str | None = None,
+        image_shape: tuple[int, ...] = (6, 5, 3),
+    ) -> None:
         self.observation_space = spaces.Dict(
             {
-                "image": spaces.Box(0, 255, (6, 5, 3), np.uint8),
+                "image": spaces.Box(0, 255, image_shape, np.uint8),
                 "state": spaces.Tuple((spaces.Box(-1.0, 1.0, (3,), np.float64), spaces.Discrete(7, start=-2))),
                 "flags": spaces.MultiBinary(4),
                 "grid": spaces.MultiDiscrete([3, 5]),

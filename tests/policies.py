@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import threading
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -45,6 +47,58 @@ class LockedPolicy(nn.Module):
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
         return self.linear(obs)
+
+
+class DictPolicy(nn.Module):
+    """Reads every leaf of ``RichSpacesEnv``'s Dict observations, and refuses them in the wrong dtype."""
+
+    def __init__(self, num_actions: int, image_shape: tuple[int, ...] = (6, 5, 3), seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.image = nn.Linear(math.prod(image_shape), num_actions)
+        self.box = nn.Linear(3, num_actions)
+        self.index = nn.Embedding(7, num_actions)  # Discrete(7, start=-2)
+        self.flags = nn.Linear(4, num_actions)
+        self.grid = nn.Linear(2, num_actions)
+
+    def forward(self, obs: dict[str, torch.Tensor | tuple[torch.Tensor, ...]]) -> torch.Tensor:
+        image, (box, index), flags, grid = obs["image"], obs["state"], obs["flags"], obs["grid"]
+        if image.dtype != torch.uint8 or box.dtype != torch.float32 or index.dtype != torch.int64:
+            raise TypeError(f"image {image.dtype}, box {box.dtype}, index {index.dtype}")
+        return (
+            self.image(image.flatten(1).float() / 255)
+            + self.box(box)
+            + self.index(index + 2)
+            + self.flags(flags.float())
+            + self.grid(grid.float())
+        )
+
+
+class TuplePolicy(nn.Module):
+    """Blackjack's Tuple(Discrete(32), Discrete(11), Discrete(2)): one embedding per leaf, summed."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embeddings = nn.ModuleList(nn.Embedding(size, 2) for size in (32, 11, 2))
+
+    def forward(self, obs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return sum((embed(leaf) for embed, leaf in zip(self.embeddings, obs, strict=True)), torch.zeros(()))
+
+
+def structured_outputs(policy: nn.Module, obs) -> np.ndarray:
+    """The policy's outputs on a batch of dict/tuple observations, leaves passed as the workers pass them."""
+
+    def tensors(value):
+        if isinstance(value, dict):
+            return {key: tensors(item) for key, item in value.items()}
+        if isinstance(value, tuple):
+            return tuple(tensors(item) for item in value)
+        value = np.asarray(value)
+        return torch.as_tensor(value.astype(np.float32) if value.dtype.kind == "f" else value)
+
+    with torch.no_grad():
+        return policy(tensors(obs)).numpy()
 
 
 def linear_policy(obs_size: int, num_actions: int, seed: int) -> nn.Module:

@@ -19,6 +19,8 @@ from torch.overrides import TorchFunctionMode
 from clusterenv import APS, ClusterEnv, PolicyError, PolicyRunner
 from clusterenv.policy import build_module, pack_architecture, policy_tensors, snapshot_weights
 from tests.conftest import assert_same
+from tests.envs import RichSpacesEnv
+from tests.policies import DictPolicy
 
 CARTPOLE = functools.partial(gym.make, "CartPole-v1")
 HAS_CUDA = torch.cuda.is_available()
@@ -123,6 +125,35 @@ def test_prefetching_runner_measures_kl_with_a_device_policy(device):
     assert first.obs.shape == second.obs.shape == (8, 4, 4)
     assert len(leftovers) == 1
     assert runner.telemetry.total.kl_checks > 0
+
+
+def dict_rollouts(device: str) -> tuple[list, object]:
+    """Two rollouts of Dict observations around a publish, with the learner's probes on ``device``."""
+    actor = DictPolicy(3, seed=6).to(device)
+    with ClusterEnv([RichSpacesEnv] * 4, num_workers=2) as envs:
+        runner = PolicyRunner(envs, actor, APS(threshold=1e-9), seed=2, device=device)
+        batches = [runner.rollout(6)]
+        with torch.no_grad():
+            actor.box.bias.add_(torch.tensor([1.0, 0.0, -1.0], device=device))
+        runner.publish()
+        batches.append(runner.rollout(6))
+        return batches, runner.telemetry
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dict_observations_go_to_a_device_policy_leaf_by_leaf(device):
+    batches, telemetry = dict_rollouts(device)
+    expected_batches, expected = dict_rollouts("cpu")
+    for got, want in zip(batches, expected_batches, strict=True):
+        for name in ("obs", "actions", "rewards", "policy_versions", "next_obs"):
+            assert_same(getattr(got, name), getattr(want, name), name)
+    for got_worker, want_worker in zip(telemetry.workers, expected.workers, strict=True):
+        assert got_worker.pulls == want_worker.pulls == 1
+        assert got_worker.kl_sum == pytest.approx(want_worker.kl_sum, rel=1e-4, abs=1e-6)
+    tensors = batches[0].as_tensors(device)
+    image, (box, index) = tensors["obs"]["image"], tensors["obs"]["state"]
+    assert image.device.type == box.device.type == device
+    assert (image.dtype, box.dtype, index.dtype) == (torch.uint8, torch.float64, torch.int64)
 
 
 @pytest.mark.parametrize("device", DEVICES)
