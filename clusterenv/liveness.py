@@ -16,6 +16,12 @@ from for ``interval * liveness`` seconds has expired:
 
 ZeroMQ sockets are not thread-safe, so each thread creates, uses and closes its socket
 itself; only the (thread-safe) context is shared.
+
+Heartbeats are authenticated like commands: each worker's heartbeat connection has its
+own keys and counters, agreed when the worker joined the command socket (nobody joins
+the heartbeat socket itself), so a captured heartbeat cannot be replayed to keep a dead
+worker or learner looking alive. Heartbeats are tiny, so both ends refuse (in ZeroMQ,
+before any copy) messages above :data:`HEARTBEAT_MAX_BYTES`.
 """
 
 from __future__ import annotations
@@ -30,15 +36,25 @@ from urllib.parse import urlsplit
 
 import zmq
 
-from clusterenv.protocol import Kind
+from clusterenv.errors import ProtocolError
+from clusterenv.protocol import Kind, Session
 from clusterenv.transport import Channel
 
-__all__ = ["LEARNER_LOST_EXIT_CODE", "Heartbeat", "HeartbeatClient", "HeartbeatMonitor", "heartbeat_address"]
+__all__ = [
+    "HEARTBEAT_MAX_BYTES",
+    "LEARNER_LOST_EXIT_CODE",
+    "Heartbeat",
+    "HeartbeatClient",
+    "HeartbeatMonitor",
+    "heartbeat_address",
+]
 
 logger = logging.getLogger(__name__)
 
 # Exit code of a worker that ended itself because its learner stopped answering.
 LEARNER_LOST_EXIT_CODE = 3
+#: The largest message either end of a heartbeat connection accepts (a heartbeat is ~60 bytes).
+HEARTBEAT_MAX_BYTES = 1024
 
 
 @dataclass(frozen=True)
@@ -126,6 +142,8 @@ class HeartbeatMonitor:
         self._context, self._address, self._key = context, address, key
         self._lock = threading.Lock()
         self._watched: dict[bytes, int] = {}
+        # Per watched identity, its heartbeat keys; read by the thread's channel (dict operations are atomic).
+        self._sessions: dict[bytes | None, Session] = {}
         self._last_heard: dict[int, float] = {}
         self._tick = time.monotonic()
         self._stop = threading.Event()
@@ -139,18 +157,25 @@ class HeartbeatMonitor:
             self._thread.join()
             raise self._bind_error
 
-    def watch(self, worker_id: int, identity: bytes) -> None:
-        """Start expecting heartbeats from ``identity`` as worker ``worker_id`` (replacing any previous one)."""
+    def watch(self, worker_id: int, identity: bytes, session: Session) -> None:
+        """Start expecting heartbeats from ``identity`` as worker ``worker_id`` (replacing any previous one).
+
+        ``session``: the heartbeat keys agreed when that worker joined the command socket.
+        """
         with self._lock:
             for old, w in list(self._watched.items()):
                 if w == worker_id:
                     del self._watched[old]
+                    self._sessions.pop(old, None)
+            self._sessions[identity] = session
             self._watched[identity] = worker_id
             self._last_heard[worker_id] = time.monotonic()
 
     def forget(self, worker_id: int) -> None:
         """Stop tracking worker ``worker_id``."""
         with self._lock:
+            for ident in [ident for ident, w in self._watched.items() if w == worker_id]:
+                self._sessions.pop(ident, None)
             self._watched = {ident: w for ident, w in self._watched.items() if w != worker_id}
             self._last_heard.pop(worker_id, None)
 
@@ -178,7 +203,14 @@ class HeartbeatMonitor:
 
     def _run(self) -> None:
         try:
-            channel = Channel.bind_router(self._context, self._address, self._key)
+            channel = Channel.bind_router(
+                self._context,
+                self._address,
+                self._key,
+                accept_joins=False,
+                sessions=self._sessions,
+                max_message_bytes=HEARTBEAT_MAX_BYTES,
+            )
         except BaseException as exc:
             self._bind_error = exc
             self._bound.set()
@@ -198,8 +230,8 @@ class HeartbeatMonitor:
                     for identity in identities:
                         try:
                             channel.send(Kind.HEARTBEAT, to=identity)
-                        except zmq.ZMQError:
-                            pass  # not connected (yet, or any more): its silence is what expires it
+                        except (zmq.ZMQError, ProtocolError):
+                            pass  # not connected (yet, or any more), or just forgotten: its silence expires it
                     next_beat = now + interval
                 # Short polls so that close() never waits a whole interval.
                 received = channel.recv(min(0.1, max(0.0, next_beat - time.monotonic())), routed=True)
@@ -223,7 +255,7 @@ class HeartbeatClient:
         context: the worker's ZeroMQ context.
         learner_address: the learner address the worker connected to.
         endpoint: the learner's heartbeat endpoint (from INIT).
-        key: the shared HMAC secret.
+        session: the heartbeat keys and counters agreed when this worker joined (kept across reconnects).
         identity: this worker's routing identity.
         config: the heartbeat constants (from INIT, so both sides agree).
         exit_grace: seconds the main thread gets to exit by itself once the learner is lost,
@@ -235,7 +267,7 @@ class HeartbeatClient:
         context: zmq.Context,
         learner_address: str,
         endpoint: str,
-        key: bytes,
+        session: Session,
         identity: bytes,
         config: Heartbeat,
         *,
@@ -243,7 +275,7 @@ class HeartbeatClient:
     ) -> None:
         self.config = config
         self.address = _connect_address(learner_address, endpoint)
-        self._context, self._key, self._identity = context, key, identity
+        self._context, self._session, self._identity = context, session, identity
         self._exit_grace = exit_grace
         self.learner_lost = threading.Event()
         self._stop = threading.Event()
@@ -257,7 +289,14 @@ class HeartbeatClient:
             self._thread.join()
 
     def _connect(self) -> Channel:
-        channel = Channel.connect_dealer(self._context, self.address, self._key, self._identity)
+        channel = Channel.connect_dealer(
+            self._context,
+            self.address,
+            b"",  # never joins: its keys come from the command connection's join
+            self._identity,
+            session=self._session,
+            max_message_bytes=HEARTBEAT_MAX_BYTES,
+        )
         channel.socket.setsockopt(zmq.SNDTIMEO, 0)  # never block on a learner that stopped reading
         return channel
 

@@ -27,7 +27,6 @@ A replacement that fails in turn raises: restarts do not loop.
 from __future__ import annotations
 
 import logging
-import pickle
 import secrets
 import time
 import weakref
@@ -38,9 +37,10 @@ import numpy as np
 import zmq
 
 from clusterenv.errors import RemoteEnvError, WorkerLostError, WorkerStartError, WorkerTimeoutError
-from clusterenv.launch import Launcher, resolve_launcher
+from clusterenv.launch import Launcher, LocalLauncher, resolve_launcher
 from clusterenv.liveness import Heartbeat, HeartbeatMonitor, heartbeat_address
 from clusterenv.protocol import Kind, Message
+from clusterenv.safe_pickle import loader
 from clusterenv.transport import Channel, is_loopback, resolve_secret
 
 __all__ = ["WorkerPool", "weak_callback"]
@@ -71,6 +71,8 @@ class WorkerPool:
         on_worker_failure: ``"raise"`` or ``"restart"``.
         start_timeout: seconds for workers to join and build their envs.
         describe_work: names what a worker was running in a lost-worker error, e.g. ``"envs 4..7"``.
+        trusted_classes: classes (or ``"module.Name"``) that replies from workers this pool did not
+            start itself may contain, beyond data (see :mod:`clusterenv.safe_pickle`).
     """
 
     def __init__(
@@ -84,6 +86,7 @@ class WorkerPool:
         on_worker_failure: str,
         start_timeout: float,
         describe_work: Callable[[int], str] = lambda worker_id: f"worker {worker_id}",
+        trusted_classes: Iterable[type | str] = (),
     ) -> None:
         key = resolve_secret(secret)
         if bind is not None and not is_loopback(bind) and key is None:
@@ -98,6 +101,10 @@ class WorkerPool:
         self.start_timeout = start_timeout
         self.describe_work = describe_work
         self.launcher: Launcher = resolve_launcher(launcher)
+        #: Unpickles what workers send: plain pickle for our own child processes, else data and trusted classes only.
+        self.loads: Callable[[bytes], Any] = loader(
+            trusted_classes, restricted=not isinstance(self.launcher, LocalLauncher)
+        )
         if bind is None and getattr(self.launcher, "requires_tcp", False):
             bind = "tcp://127.0.0.1:*"  # workers connect from other processes that Ray starts, on this host
         self._context = zmq.Context()
@@ -205,7 +212,9 @@ class WorkerPool:
 
     def _send_init(self, worker_id: int, *, replacement: bool) -> None:
         meta, blobs = self._init_commands[worker_id]
-        self._monitor.watch(worker_id, self._identities[worker_id])  # the worker starts beating on receipt
+        identity = self._identities[worker_id]
+        # The worker starts beating on receipt, with the heartbeat keys agreed when it joined.
+        self._monitor.watch(worker_id, identity, self._channel.heartbeat_session(identity))
         pool_meta = {
             "worker_id": worker_id,
             "heartbeat": self.heartbeat.to_meta(),
@@ -396,9 +405,9 @@ class WorkerPool:
         )
         if msg.blobs:
             try:
-                error.__cause__ = pickle.loads(msg.blobs[0])
-            except Exception:
-                logger.debug("Could not unpickle the remote exception.", exc_info=True)
+                error.__cause__ = self.loads(msg.blobs[0])
+            except Exception as exc:
+                logger.debug("Could not unpickle the remote exception: %s", exc)
         self.on_fatal(False)
         return error
 
@@ -425,6 +434,8 @@ class WorkerPool:
         self._monitor.forget(worker_id)
         old = self._identities.pop(worker_id, None)
         self._peers.pop(old or b"", None)
+        if old is not None:
+            self._channel.forget(old)
         self.launcher.start([worker_id], self.address, self.key)
         self._join([worker_id], self.start_timeout)
         self._failed.discard(worker_id)

@@ -340,7 +340,8 @@ def serve(
                 if "heartbeat" in msg.meta:
                     # Started before the envs are built: building them may take long.
                     config = Heartbeat(**msg.meta["heartbeat"])
-                    heart = HeartbeatClient(context, address, msg.meta["heartbeat_endpoint"], key, identity, config)
+                    endpoint, session = msg.meta["heartbeat_endpoint"], channel.heartbeat_session()
+                    heart = HeartbeatClient(context, address, endpoint, session, identity, config)
             if msg.kind is Kind.CLOSE:
                 worker.close()
                 channel.send(Kind.CLOSED)
@@ -382,6 +383,8 @@ def main(argv: list[str] | None = None) -> None:
     key = resolve_secret(None)
     if key is None:
         parser.exit(2, f"error: the shared secret must be set in ${SECRET_ENV_VAR}.\n")
+    # Env code (and any process it starts) must not read the secret: it signs commands to workers.
+    os.environ.pop(SECRET_ENV_VAR, None)
     # The learner decides when workers stop; Ctrl-C in the terminal reaches it, not us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     started = time.monotonic()
