@@ -95,6 +95,7 @@ class ClusterEnv(VectorEnv):
         heartbeat: Heartbeat | None = None,
         batch_size: int | None = None,
         trusted_classes: Sequence[type | str] = (),
+        encrypt: bool = False,
     ) -> None:
         """Start the workers and build the envs in them.
 
@@ -124,6 +125,9 @@ class ClusterEnv(VectorEnv):
                 results and errors from workers the learner did not start itself (``launcher="external"``,
                 Ray) may contain beyond plain data; anything else raises ``UntrustedPickleError``
                 (see docs/cluster.md, Security). Workers it starts itself are not restricted.
+            encrypt: encrypt all traffic with CurveZMQ, keys derived from the secret; a peer
+                without the secret then cannot even connect. External workers need
+                ``clusterenv-worker --encrypt``.
         """
         super().__init__()
         self._state = AsyncState.DEFAULT
@@ -170,6 +174,7 @@ class ClusterEnv(VectorEnv):
             start_timeout=start_timeout,
             describe_work=lambda w: f"envs {self._slices[w].start}..{self._slices[w].stop - 1}",
             trusted_classes=trusted_classes,
+            encrypt=encrypt,
         )
         # Weak: the pool must not keep the env alive (its finalizer ends the workers).
         self._pool.on_fatal = weak_callback(self._close_after_error)

@@ -38,7 +38,7 @@ import zmq
 
 from clusterenv.errors import ProtocolError
 from clusterenv.protocol import Kind, Session
-from clusterenv.transport import Channel
+from clusterenv.transport import Channel, Curve
 
 __all__ = [
     "HEARTBEAT_MAX_BYTES",
@@ -135,11 +135,14 @@ class HeartbeatMonitor:
         address: heartbeat bind address (``None``: a private ipc socket).
         key: the shared HMAC secret.
         config: the heartbeat constants.
+        curve: encrypt, as the command socket does.
     """
 
-    def __init__(self, context: zmq.Context, address: str | None, key: bytes, config: Heartbeat) -> None:
+    def __init__(
+        self, context: zmq.Context, address: str | None, key: bytes, config: Heartbeat, *, curve: Curve | None = None
+    ) -> None:
         self.config = config
-        self._context, self._address, self._key = context, address, key
+        self._context, self._address, self._key, self._curve = context, address, key, curve
         self._lock = threading.Lock()
         self._watched: dict[bytes, int] = {}
         # Per watched identity, its heartbeat keys; read by the thread's channel (dict operations are atomic).
@@ -210,6 +213,7 @@ class HeartbeatMonitor:
                 accept_joins=False,
                 sessions=self._sessions,
                 max_message_bytes=HEARTBEAT_MAX_BYTES,
+                curve=self._curve,
             )
         except BaseException as exc:
             self._bind_error = exc
@@ -260,6 +264,7 @@ class HeartbeatClient:
         config: the heartbeat constants (from INIT, so both sides agree).
         exit_grace: seconds the main thread gets to exit by itself once the learner is lost,
             before this thread ends the process (an env step may never return).
+        curve: encrypt, as the command connection does.
     """
 
     def __init__(
@@ -272,10 +277,11 @@ class HeartbeatClient:
         config: Heartbeat,
         *,
         exit_grace: float = 10.0,
+        curve: Curve | None = None,
     ) -> None:
         self.config = config
         self.address = _connect_address(learner_address, endpoint)
-        self._context, self._session, self._identity = context, session, identity
+        self._context, self._session, self._identity, self._curve = context, session, identity, curve
         self._exit_grace = exit_grace
         self.learner_lost = threading.Event()
         self._stop = threading.Event()
@@ -296,6 +302,7 @@ class HeartbeatClient:
             self._identity,
             session=self._session,
             max_message_bytes=HEARTBEAT_MAX_BYTES,
+            curve=self._curve,
         )
         channel.socket.setsockopt(zmq.SNDTIMEO, 0)  # never block on a learner that stopped reading
         return channel

@@ -41,7 +41,7 @@ from clusterenv.launch import Launcher, LocalLauncher, resolve_launcher
 from clusterenv.liveness import Heartbeat, HeartbeatMonitor, heartbeat_address
 from clusterenv.protocol import Kind, Message
 from clusterenv.safe_pickle import loader
-from clusterenv.transport import Channel, is_loopback, resolve_secret
+from clusterenv.transport import Channel, Curve, is_loopback, resolve_secret
 
 __all__ = ["WorkerPool", "weak_callback"]
 
@@ -73,6 +73,7 @@ class WorkerPool:
         describe_work: names what a worker was running in a lost-worker error, e.g. ``"envs 4..7"``.
         trusted_classes: classes (or ``"module.Name"``) that replies from workers this pool did not
             start itself may contain, beyond data (see :mod:`clusterenv.safe_pickle`).
+        encrypt: CurveZMQ on both sockets, keys derived from the secret (see :mod:`clusterenv.transport`).
     """
 
     def __init__(
@@ -87,6 +88,7 @@ class WorkerPool:
         start_timeout: float,
         describe_work: Callable[[int], str] = lambda worker_id: f"worker {worker_id}",
         trusted_classes: Iterable[type | str] = (),
+        encrypt: bool = False,
     ) -> None:
         key = resolve_secret(secret)
         if bind is not None and not is_loopback(bind) and key is None:
@@ -107,12 +109,21 @@ class WorkerPool:
         )
         if bind is None and getattr(self.launcher, "requires_tcp", False):
             bind = "tcp://127.0.0.1:*"  # workers connect from other processes that Ray starts, on this host
+        if encrypt:
+            if not hasattr(self.launcher, "encrypt"):
+                raise ValueError(
+                    f"`encrypt=True` needs a launcher with an `encrypt` attribute, to start its workers with "
+                    f"encryption; {type(self.launcher).__name__} has none."
+                )
+            self.launcher.encrypt = True
+        key = key or secrets.token_hex(32).encode()
+        curve = Curve.from_secret(key) if encrypt else None
         self._context = zmq.Context()
-        self._channel = Channel.bind_router(self._context, bind, key or secrets.token_hex(32).encode())
+        self._channel = Channel.bind_router(self._context, bind, key, curve=curve)
         self.address = self._channel.endpoint
         try:
             self._monitor = HeartbeatMonitor(
-                self._context, heartbeat_address(bind) if bind else None, self._channel.key, heartbeat
+                self._context, heartbeat_address(bind) if bind else None, key, heartbeat, curve=curve
             )
         except BaseException:
             self._channel.close()

@@ -54,6 +54,7 @@ __all__ = [
     "Session",
     "coalesce",
     "decode",
+    "derive_key",
     "encode",
     "hello_session",
     "parse",
@@ -156,9 +157,14 @@ def _hkdf(secret: bytes, salt: bytes, info: bytes) -> bytes:
     return hmac.digest(prk, info + b"\x01", "sha256")
 
 
+def derive_key(secret: bytes, label: str) -> bytes:
+    """A 32-byte key for one purpose (``label``), derived from the secret alone."""
+    return _hkdf(secret, b"", b"clusterenv/2 " + label.encode())
+
+
 def hello_session(secret: bytes) -> Session:
     """The session of HELLO and WELCOME, the only messages keyed by the secret alone (same key both ways)."""
-    key = _hkdf(secret, b"", b"clusterenv/2 hello")
+    key = derive_key(secret, "hello")
     return Session(key, key)
 
 

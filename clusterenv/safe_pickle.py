@@ -21,10 +21,10 @@ The allow-list is checked before a module is imported: importing is running code
     >>> loads(pickle.dumps({"x": np.arange(3)}))["x"].tolist()
     [0, 1, 2]
     >>> try:
-    ...     loads(pickle.dumps(print))
+    ...     loads(pickle.dumps(eval))
     ... except UntrustedPickleError as error:
     ...     print(str(error)[:64])
-    A worker sent a pickle that references `builtins.print`, which t
+    A worker sent a pickle that references `builtins.eval`, which th
 """
 
 from __future__ import annotations

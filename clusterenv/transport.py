@@ -15,6 +15,12 @@ a message whose counter is not above the last one received is dropped.
 
 Size limits come before any decoding: a peer that has not joined may send at most
 :data:`PRE_JOIN_BYTES` per message, a joined one :attr:`Channel.max_message_bytes`.
+
+Encryption (``ClusterEnv(encrypt=True)``) is CurveZMQ under all of that: the learner's
+keypair and the workers' shared keypair are derived from the secret (:class:`Curve`),
+so a peer without the secret fails ZeroMQ's own handshake and none of its messages is
+ever read into the learner's memory; and messages cross the network encrypted. CurveZMQ
+authenticates every message, so the HMAC then skips the array frames, as on ``ipc://``.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 import zmq
+from zmq.utils import z85
 
 from clusterenv.errors import ProtocolError
 from clusterenv.protocol import (
@@ -40,6 +47,7 @@ from clusterenv.protocol import (
     Message,
     Session,
     coalesce,
+    derive_key,
     encode,
     hello_session,
     parse,
@@ -53,6 +61,7 @@ __all__ = [
     "PRE_JOIN_BYTES",
     "SECRET_ENV_VAR",
     "Channel",
+    "Curve",
     "is_loopback",
     "new_identity",
     "resolve_secret",
@@ -113,6 +122,40 @@ def is_loopback(address: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+@dataclass(frozen=True)
+class Curve:
+    """CurveZMQ keys (z85): the learner's keypair, and one keypair shared by its workers, all from the secret.
+
+    The learner's public key is never sent, and a client must know it to complete
+    CurveZMQ's handshake: only holders of the secret connect at all.
+    """
+
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+
+    @classmethod
+    def from_secret(cls, secret: bytes) -> Curve:
+        """Derive the keys; raises ``RuntimeError`` if this libzmq was built without CurveZMQ."""
+        if not zmq.has("curve"):
+            raise RuntimeError("Encryption needs a libzmq built with CurveZMQ (libsodium); this one is not.")
+        server = z85.encode(derive_key(secret, "curve learner"))
+        client = z85.encode(derive_key(secret, "curve worker"))
+        return cls(zmq.curve_public(server), server, zmq.curve_public(client), client)
+
+    def serve(self, socket: zmq.Socket) -> None:
+        """Make ``socket`` (not yet bound) a CurveZMQ server."""
+        socket.setsockopt(zmq.CURVE_SERVER, 1)
+        socket.setsockopt(zmq.CURVE_SECRETKEY, self.server_secret)
+
+    def connect(self, socket: zmq.Socket) -> None:
+        """Make ``socket`` (not yet connected) a CurveZMQ client of the learner."""
+        socket.setsockopt(zmq.CURVE_SERVERKEY, self.server_public)
+        socket.setsockopt(zmq.CURVE_PUBLICKEY, self.client_public)
+        socket.setsockopt(zmq.CURVE_SECRETKEY, self.client_secret)
 
 
 class _DropLog:
@@ -177,11 +220,12 @@ class Channel:
         accept_joins: bool = True,
         sessions: dict[bytes | None, Session] | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
+        curve: Curve | None = None,
     ) -> Channel:
         """Bind the learner's ROUTER; ``address=None`` means a fresh private ``ipc://`` path.
 
         ``max_message_bytes`` is also ZeroMQ's ``MAXMSGSIZE``, which applies to connections
-        as they were at bind time: set it here, not later.
+        as it was at bind time: set it here, not later. ``curve``: encrypt (CurveZMQ server).
         """
         tmpdir = None
         if address is None:
@@ -191,6 +235,8 @@ class Channel:
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        if curve is not None:
+            curve.serve(socket)
         try:
             socket.bind(address)
         except zmq.ZMQError as exc:
@@ -201,7 +247,7 @@ class Channel:
         return cls(
             socket,
             key,
-            cover_arrays=not address.startswith("ipc://"),
+            cover_arrays=not address.startswith("ipc://") and curve is None,
             accept_joins=accept_joins,
             sessions={} if sessions is None else sessions,
             max_message_bytes=max_message_bytes,
@@ -218,18 +264,24 @@ class Channel:
         *,
         session: Session | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
+        curve: Curve | None = None,
     ) -> Channel:
-        """Connect a worker's DEALER to the learner (with ``session``: on keys agreed on another connection)."""
+        """Connect a worker's DEALER to the learner (with ``session``: on keys agreed on another connection).
+
+        ``curve``: encrypt (CurveZMQ client); the learner must encrypt too.
+        """
         socket = context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.IDENTITY, identity)
         socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        if curve is not None:
+            curve.connect(socket)
         socket.connect(address)
         sessions: dict[bytes | None, Session] = {} if session is None else {None: session}
         return cls(
             socket,
             key,
-            cover_arrays=not address.startswith("ipc://"),
+            cover_arrays=not address.startswith("ipc://") and curve is None,
             accept_joins=False,
             sessions=sessions,
             max_message_bytes=max_message_bytes,

@@ -31,7 +31,7 @@ from clusterenv import shared_obs
 from clusterenv.batching import InfoRecord, is_array_tree, leaf_arrays, unflatten
 from clusterenv.liveness import LEARNER_LOST_EXIT_CODE, Heartbeat, HeartbeatClient
 from clusterenv.protocol import Kind, Message
-from clusterenv.transport import SECRET_ENV_VAR, Channel, new_identity, resolve_secret
+from clusterenv.transport import SECRET_ENV_VAR, Channel, Curve, new_identity, resolve_secret
 from clusterenv.worker_policy import RolloutAborted
 from clusterenv.worker_policy import install as install_policy_handlers
 
@@ -299,6 +299,7 @@ def serve(
     *,
     parent_pid: int | None = None,
     join_timeout: float | None = None,
+    encrypt: bool = False,
 ) -> int:
     """Connect to the learner at ``address`` and serve commands until CLOSE or learner death.
 
@@ -308,6 +309,7 @@ def serve(
         key: the shared secret.
         parent_pid: exit when this process is gone (local workers).
         join_timeout: give up if the learner has not sent INIT within this many seconds.
+        encrypt: connect with CurveZMQ, as a learner with ``ClusterEnv(encrypt=True)`` expects.
 
     Returns:
         The exit status for the process: 0 after CLOSE, ``LEARNER_LOST_EXIT_CODE`` when the
@@ -315,7 +317,8 @@ def serve(
     """
     context = zmq.Context()
     identity = new_identity(worker_id)
-    channel = Channel.connect_dealer(context, address, key, identity)
+    curve = Curve.from_secret(key) if encrypt else None
+    channel = Channel.connect_dealer(context, address, key, identity, curve=curve)
     worker = Worker(-1 if worker_id is None else worker_id)
     worker.mailbox = mailbox = Mailbox(channel, worker)
     install_policy_handlers(worker)  # the local-policy commands (SET_POLICY, SET_WEIGHTS, ROLLOUT)
@@ -341,7 +344,7 @@ def serve(
                     # Started before the envs are built: building them may take long.
                     config = Heartbeat(**msg.meta["heartbeat"])
                     endpoint, session = msg.meta["heartbeat_endpoint"], channel.heartbeat_session()
-                    heart = HeartbeatClient(context, address, endpoint, session, identity, config)
+                    heart = HeartbeatClient(context, address, endpoint, session, identity, config, curve=curve)
             if msg.kind is Kind.CLOSE:
                 worker.close()
                 channel.send(Kind.CLOSED)
@@ -377,6 +380,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--join-timeout", type=float, default=None, help="exit if no learner sends work within this many seconds"
     )
+    parser.add_argument("--encrypt", action="store_true", help="for a learner with ClusterEnv(encrypt=True)")
     args = parser.parse_args(argv)
     name = "?" if args.worker_id is None else args.worker_id
     logging.basicConfig(level=logging.INFO, format=f"[clusterenv worker {name}] %(message)s")
@@ -388,7 +392,14 @@ def main(argv: list[str] | None = None) -> None:
     # The learner decides when workers stop; Ctrl-C in the terminal reaches it, not us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     started = time.monotonic()
-    status = serve(args.connect, args.worker_id, key, parent_pid=args.parent_pid, join_timeout=args.join_timeout)
+    status = serve(
+        args.connect,
+        args.worker_id,
+        key,
+        parent_pid=args.parent_pid,
+        join_timeout=args.join_timeout,
+        encrypt=args.encrypt,
+    )
     logger.debug("Worker %s served for %.1f s.", name, time.monotonic() - started)
     # os._exit, not sys.exit: it skips interpreter teardown, which takes 1.5-5 s once a local
     # policy has loaded torch, and the learner's close() waits for this process to exit.

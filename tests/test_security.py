@@ -6,6 +6,7 @@ import functools
 import logging
 import os
 import pickle
+import re
 import subprocess
 import sys
 import time
@@ -39,6 +40,7 @@ from clusterenv.protocol import (
     split,
 )
 from clusterenv.transport import _DROP_LOG_BURST, PRE_JOIN_BYTES, SECRET_ENV_VAR, Channel
+from tests.conftest import assert_same
 from tests.test_remote import SECRET as WORKER_SECRET  # what the `spawn` fixture gives its processes
 from tests.test_remote import free_address, spawn, worker_command  # noqa: F401 (spawn is a fixture)
 
@@ -508,3 +510,79 @@ def test_env_code_cannot_read_the_secret_from_its_environment(spawn):  # noqa: F
     spawn(worker_command(address))
     with ClusterEnv([SecretProbe] * 2, num_workers=1, bind=address, secret=WORKER_SECRET, launcher="external") as envs:
         assert envs.get_attr("seen") == (None, None)
+
+
+# -- encryption (CurveZMQ) -------------------------------------------------------------------
+FAST = Heartbeat(interval=0.05, liveness=4)
+
+
+def test_encrypted_runs_are_exact_and_keep_beating():
+    reference = gym.vector.SyncVectorEnv(ENV_FNS)
+    with ClusterEnv(
+        ENV_FNS, num_workers=2, bind="tcp://127.0.0.1:*", secret=SECRET, encrypt=True, heartbeat=FAST
+    ) as envs:
+        assert_same(envs.reset(seed=3), reference.reset(seed=3))
+        deadline = time.monotonic() + 1.0  # five heartbeat expiries: heartbeats work encrypted too
+        while time.monotonic() < deadline:
+            actions = reference.action_space.sample()
+            assert_same(envs.step(actions), reference.step(actions))
+            time.sleep(0.01)
+    reference.close()
+
+
+def test_external_workers_must_encrypt_when_the_learner_does(spawn):  # noqa: F811
+    address = free_address()
+    spawn(worker_command(address))  # without --encrypt: its handshake fails, it never joins
+    with pytest.raises(WorkerStartError, match=re.escape("clusterenv-worker --connect") + ".* --encrypt"):
+        ClusterEnv(
+            ENV_FNS,
+            num_workers=1,
+            bind=address,
+            secret=WORKER_SECRET,
+            launcher="external",
+            encrypt=True,
+            start_timeout=2,
+        )
+    address = free_address()
+    spawn(worker_command(address, "--encrypt"))
+    with ClusterEnv(
+        ENV_FNS, num_workers=1, bind=address, secret=WORKER_SECRET, launcher="external", encrypt=True
+    ) as envs:
+        envs.reset(seed=0)
+
+
+FLOOD = """
+import sys, time, zmq
+from clusterenv.transport import Curve
+context = zmq.Context()
+for curve in [None, Curve.from_secret(b"incorrect horse battery staple")]:
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 1000)
+    if curve is not None:
+        curve.connect(socket)
+    socket.connect(sys.argv[1])
+    for _ in range(2):
+        socket.send(b"\\0" * (int(sys.argv[2]) << 20))
+time.sleep(3)
+"""
+
+
+def resident_mib() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+
+
+@pytest.mark.parametrize("encrypt", [False, True], ids=["plain", "encrypted"])
+def test_with_encryption_peers_without_the_secret_cannot_make_the_learner_hold_memory(encrypt):
+    """Four 32 MiB messages, sent while the learner does not read: ZeroMQ holds them, unless encrypted."""
+    with ClusterEnv(ENV_FNS, num_workers=1, bind="tcp://127.0.0.1:*", secret=SECRET, encrypt=encrypt) as envs:
+        envs.reset(seed=0)
+        before = resident_mib()
+        flood = subprocess.run([sys.executable, "-c", FLOOD, envs.address, "32"], timeout=60, check=True)
+        grew = resident_mib() - before
+        envs.step(np.array([0, 1]))  # reads and drops what was held
+    assert flood.returncode == 0
+    if encrypt:
+        assert grew < 16, f"the learner holds {grew:.0f} MiB sent by peers without the secret"
+    else:  # the control: what the test measures does happen without encryption
+        assert grew > 48, grew
