@@ -70,6 +70,9 @@ NONCE_BYTES = 16
 _TRAILER = struct.Struct("<QI32s")
 TRAILER_BYTES = _TRAILER.size
 _MAX_NDIM = 32
+# The most frames a coalesced message may announce: far above any real message, low enough
+# that reading the frame table of a forged one costs nothing.
+_MAX_COALESCED_FRAMES = 1 << 16
 # Messages smaller than this travel as one frame: each ZeroMQ frame costs ~8 µs a round trip.
 COALESCE_BYTES = 64 * 1024
 # Below this size one C call over joined bytes beats incremental hashing.
@@ -252,10 +255,12 @@ def split(frames: list[Any]) -> list[Any]:
         raise ProtocolError(f"Single-frame message of {data.nbytes} bytes is too short for its frame table.")
     (count,) = struct.unpack_from("<I", data)
     table_end = 4 + 4 * count
-    if count < 2 or table_end > data.nbytes:
+    if count < 2 or table_end > data.nbytes or count > _MAX_COALESCED_FRAMES:
         raise ProtocolError(
             f"Single-frame message announces {count} frames, which its {data.nbytes} bytes cannot hold."
         )
+    if data.nbytes > table_end + COALESCE_BYTES:  # checked before the table is read: it is not authenticated
+        raise ProtocolError(f"Single-frame message of {data.nbytes} bytes is larger than any coalesced message.")
     lengths = struct.unpack_from(f"<{count}I", data, 4)
     if table_end + sum(lengths) != data.nbytes:
         raise ProtocolError("Single-frame message lengths do not add up to its size.")

@@ -7,6 +7,7 @@ import logging
 import os
 import pickle
 import re
+import struct
 import subprocess
 import sys
 import time
@@ -26,6 +27,7 @@ from clusterenv import AuthenticationError, ClusterEnv, ProtocolError, WorkerSta
 from clusterenv.liveness import HEARTBEAT_MAX_BYTES, Heartbeat, HeartbeatMonitor
 from clusterenv.protocol import (
     _TRAILER,
+    COALESCE_BYTES,
     MAX_HEADER_BYTES,
     NONCE_BYTES,
     PROTOCOL_VERSION,
@@ -586,3 +588,12 @@ def test_with_encryption_peers_without_the_secret_cannot_make_the_learner_hold_m
         assert grew < 16, f"the learner holds {grew:.0f} MiB sent by peers without the secret"
     else:  # the control: what the test measures does happen without encryption
         assert grew > 48, grew
+
+
+def test_a_forged_frame_table_is_rejected_before_it_is_read():
+    huge = struct.pack("<I", 1 << 20) + bytes(4 << 20)  # a million frames announced: the table fits
+    with pytest.raises(ProtocolError, match="announces 1048576 frames"):
+        split([huge])
+    padded = struct.pack("<3I", 2, 0, 0) + bytes(COALESCE_BYTES + 1)
+    with pytest.raises(ProtocolError, match="larger than any coalesced message"):
+        split([padded])
