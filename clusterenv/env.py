@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import pickle
 import socket as pysocket
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -99,6 +98,8 @@ class ClusterEnv(VectorEnv):
         on_worker_failure: str = "raise",
         heartbeat: Heartbeat | None = None,
         batch_size: int | None = None,
+        trusted_classes: Sequence[type | str] = (),
+        encrypt: bool = False,
     ) -> None:
         """Start the workers and build the envs in them.
 
@@ -130,6 +131,13 @@ class ClusterEnv(VectorEnv):
             batch_size: how many envs :meth:`recv` returns (default ``num_envs``): those of the
                 ``batch_size // envs_per_worker`` workers that are ready first. Needs equal slices
                 (``num_envs`` a multiple of ``num_workers``) and a multiple of the envs per worker.
+            trusted_classes: classes (or ``"module.Name"`` strings) that infos, observations, call
+                results and errors from workers the learner did not start itself (``launcher="external"``,
+                Ray) may contain beyond plain data; anything else raises ``UntrustedPickleError``
+                (see docs/cluster.md, Security). Workers it starts itself are not restricted.
+            encrypt: encrypt all traffic with CurveZMQ, keys derived from the secret; a peer
+                without the secret then cannot even connect. External workers need
+                ``clusterenv-worker --encrypt``.
         """
         super().__init__()
         self._state = AsyncState.DEFAULT
@@ -175,6 +183,8 @@ class ClusterEnv(VectorEnv):
             on_worker_failure=on_worker_failure,
             start_timeout=start_timeout,
             describe_work=lambda w: f"envs {self._slices[w].start}..{self._slices[w].stop - 1}",
+            trusted_classes=trusted_classes,
+            encrypt=encrypt,
         )
         # Weak: the pool must not keep the env alive (its finalizer ends the workers).
         self._pool.on_fatal = weak_callback(self._close_after_error)
@@ -252,7 +262,7 @@ class ClusterEnv(VectorEnv):
             }
             self._pool.send_init(w, meta, pickled_fns[sl])
         replies = self._pool.gather(range(self.num_workers), "building envs", timeout)
-        descriptions = [pickle.loads(replies[w].blobs[0]) for w in range(self.num_workers)]
+        descriptions = [self._pool.loads(replies[w].blobs[0]) for w in range(self.num_workers)]
         obs_spaces = [s for d in descriptions for s in d["observation_spaces"]]
         action_spaces = [s for d in descriptions for s in d["action_spaces"]]
 
@@ -417,14 +427,14 @@ class ClusterEnv(VectorEnv):
                 rewards, terminations, truncations = msg.arrays[-3:]
                 self._rewards[sl], self._terminations[sl], self._truncations[sl] = rewards, terminations, truncations
             if msg.blobs[0]:
-                infos = replay_infos(infos, pickle.loads(msg.blobs[0]), self.num_envs, sl.start)
+                infos = replay_infos(infos, self._pool.loads(msg.blobs[0]), self.num_envs, sl.start)
         self._finish_observations()
         return infos
 
     def _write_slice(self, sl: slice, msg: Message, n_extra: int) -> None:
         """Write one worker's observations (all but its last ``n_extra`` arrays) into the batch."""
         if not self._array_obs:
-            self._env_obs[sl] = pickle.loads(msg.blobs[1])
+            self._env_obs[sl] = self._pool.loads(msg.blobs[1])
             return
         obs_arrays = msg.arrays[: len(msg.arrays) - n_extra]
         if obs_arrays:  # else the worker wrote its slice into the shared batch
@@ -458,7 +468,7 @@ class ClusterEnv(VectorEnv):
                 final_obs = [deepcopy(obs) for obs in every[sl]]
                 self._write_slice(sl, resets[w], n_extra=0)
                 blob = resets[w].blobs[0]
-                reset_infos: dict[int, dict[str, Any]] = dict(pickle.loads(blob)) if blob else {}
+                reset_infos: dict[int, dict[str, Any]] = dict(self._pool.loads(blob)) if blob else {}
                 for i in range(len(extra)):
                     extra[i] = {"final_obs": final_obs[i], "final_info": {}, **reset_infos.get(i, {})}
             records = [(i, {**info, WORKER_RESTARTED_KEY: True}) for i, info in enumerate(extra)]
@@ -589,7 +599,7 @@ class ClusterEnv(VectorEnv):
             self._write_slice(sl, msg, n_extra=3 if what == "step" else 0)
             if what == "step":
                 rewards[rows], terminations[rows], truncations[rows] = msg.arrays[-3:]
-            records = pickle.loads(msg.blobs[0]) if msg.blobs[0] else []
+            records = self._pool.loads(msg.blobs[0]) if msg.blobs[0] else []
             if what == "restarted":  # a replacement's fresh envs: the cut episodes end here
                 truncations[rows] = True
                 extra = dict(records)
@@ -641,7 +651,7 @@ class ClusterEnv(VectorEnv):
         self._end(AsyncState.WAITING_CALL, "call_wait")
         replies = self._pool.gather(self._pending, "calling", self.timeout if timeout is None else timeout)
         self._state = AsyncState.DEFAULT
-        return tuple(value for w in range(self.num_workers) for value in pickle.loads(replies[w].blobs[0]))
+        return tuple(value for w in range(self.num_workers) for value in self._pool.loads(replies[w].blobs[0]))
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         """Call ``name`` on every env (or read it, if not callable); results in env order."""

@@ -9,6 +9,7 @@ The tree, so that callers can catch as broadly or narrowly as they need::
     ├── WorkerStartError      workers could not be started or did not join in time
     ├── ProtocolError         a message could not be decoded
     │   └── AuthenticationError   a message failed its HMAC check
+    ├── UntrustedPickleError  a remote worker's reply names a class outside ``trusted_classes``
     └── PolicyError           a policy is unusable with this environment
 
 Gymnasium's own ``AlreadyPendingCallError``, ``NoAsyncCallError`` and
@@ -17,12 +18,15 @@ Gymnasium's own ``AlreadyPendingCallError``, ``NoAsyncCallError`` and
 
 from __future__ import annotations
 
+import pickle
+
 __all__ = [
     "AuthenticationError",
     "ClusterEnvError",
     "PolicyError",
     "ProtocolError",
     "RemoteEnvError",
+    "UntrustedPickleError",
     "WorkerLostError",
     "WorkerStartError",
     "WorkerTimeoutError",
@@ -84,6 +88,14 @@ class ProtocolError(ClusterEnvError):
 
 class AuthenticationError(ProtocolError):
     """A message's HMAC did not match: the peer does not hold the shared secret."""
+
+
+class UntrustedPickleError(ClusterEnvError, pickle.UnpicklingError):
+    """A worker the learner did not start sent a pickle naming a class or function it does not load.
+
+    Unpickling runs the callables a pickle names, so replies from external and Ray workers
+    may hold data only, plus the classes given in ``ClusterEnv(..., trusted_classes=...)``.
+    """
 
 
 class PolicyError(ClusterEnvError, ValueError):

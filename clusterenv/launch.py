@@ -23,7 +23,12 @@ logger = logging.getLogger(__name__)
 
 
 class Launcher(Protocol):
-    """What ClusterEnv needs from whatever starts its workers."""
+    """What ClusterEnv needs from whatever starts its workers.
+
+    Under ``ClusterEnv(encrypt=True)`` the launcher must also have an ``encrypt`` attribute,
+    which the pool sets before ``start``: its workers must then connect with encryption
+    (``clusterenv-worker --encrypt``, ``serve(..., encrypt=True)``).
+    """
 
     def start(self, worker_ids: list[int], address: str, key: bytes) -> None:
         """Start one worker per id, each connecting to ``address``."""
@@ -51,6 +56,7 @@ class LocalLauncher:
 
     def __init__(self) -> None:
         self.processes: dict[int, subprocess.Popen] = {}
+        self.encrypt = False
 
     def start(self, worker_ids: list[int], address: str, key: bytes) -> None:
         """Spawn ``python -m clusterenv.worker`` once per id."""
@@ -71,6 +77,7 @@ class LocalLauncher:
                 str(worker_id),
                 "--parent-pid",
                 str(os.getpid()),
+                *(["--encrypt"] if self.encrypt else []),
             ]
             self.processes[worker_id] = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
 
@@ -118,21 +125,28 @@ class ExternalLauncher:
 
     needs_shared_secret = True  # the workers are told the secret out of band: a random one cannot work
 
+    def __init__(self) -> None:
+        self.encrypt = False
+
+    def _command(self, address: str) -> str:
+        return f"{SECRET_ENV_VAR}=<secret> clusterenv-worker --connect {address}" + (
+            " --encrypt" if self.encrypt else ""
+        )
+
     def start(self, worker_ids: list[int], address: str, key: bytes) -> None:
         """Log the command that workers must run."""
         logger.info(
-            "Waiting for %d external worker(s) %s to connect to %s: run `%s=<secret> clusterenv-worker --connect %s`.",
+            "Waiting for %d external worker(s) %s to connect to %s: run `%s`.",
             len(worker_ids),
             worker_ids,
             address,
-            SECRET_ENV_VAR,
-            address,
+            self._command(address),
         )
 
     def join_hint(self, address: str) -> str:
         """What to tell a user whose workers did not join."""
         return (
-            f"Start them on the worker hosts with `{SECRET_ENV_VAR}=<secret> clusterenv-worker --connect {address}` "
+            f"Start them on the worker hosts with `{self._command(address)}` "
             "(or under `srun`), with the same secret, and check that the hosts can reach this address."
         )
 

@@ -20,6 +20,12 @@ from for ``interval * liveness`` seconds has expired:
 
 ZeroMQ sockets are not thread-safe, so each thread creates, uses and closes its socket
 itself; only the (thread-safe) context is shared.
+
+Heartbeats are authenticated like commands: each worker's heartbeat connection has its
+own keys and counters, agreed when the worker joined the command socket (nobody joins
+the heartbeat socket itself), so a captured heartbeat cannot be replayed to keep a dead
+worker or learner looking alive. Heartbeats are tiny, so both ends refuse (in ZeroMQ,
+before any copy) messages above :data:`HEARTBEAT_MAX_BYTES`.
 """
 
 from __future__ import annotations
@@ -37,10 +43,18 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from clusterenv.cleanup import kill_descendants
-from clusterenv.protocol import Kind
-from clusterenv.transport import Channel
+from clusterenv.errors import ProtocolError
+from clusterenv.protocol import Kind, Session
+from clusterenv.transport import Channel, Curve
 
-__all__ = ["LEARNER_LOST_EXIT_CODE", "Heartbeat", "HeartbeatClient", "HeartbeatMonitor", "heartbeat_address"]
+__all__ = [
+    "HEARTBEAT_MAX_BYTES",
+    "LEARNER_LOST_EXIT_CODE",
+    "Heartbeat",
+    "HeartbeatClient",
+    "HeartbeatMonitor",
+    "heartbeat_address",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +62,8 @@ logger = logging.getLogger(__name__)
 LEARNER_LOST_EXIT_CODE = 3
 # What a worker's heartbeat socket monitor reports: a connection made, lost, or failing to be made.
 _CONNECTION_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+#: The largest message either end of a heartbeat connection accepts (a heartbeat is ~60 bytes).
+HEARTBEAT_MAX_BYTES = 1024
 
 
 @dataclass(frozen=True)
@@ -130,13 +146,18 @@ class HeartbeatMonitor:
         address: heartbeat bind address (``None``: a private ipc socket).
         key: the shared HMAC secret.
         config: the heartbeat constants.
+        curve: encrypt, as the command socket does.
     """
 
-    def __init__(self, context: zmq.Context, address: str | None, key: bytes, config: Heartbeat) -> None:
+    def __init__(
+        self, context: zmq.Context, address: str | None, key: bytes, config: Heartbeat, *, curve: Curve | None = None
+    ) -> None:
         self.config = config
-        self._context, self._address, self._key = context, address, key
+        self._context, self._address, self._key, self._curve = context, address, key, curve
         self._lock = threading.Lock()
         self._watched: dict[bytes, int] = {}
+        # Per watched identity, its heartbeat keys; read by the thread's channel (dict operations are atomic).
+        self._sessions: dict[bytes | None, Session] = {}
         self._last_heard: dict[int, float] = {}
         self._tick = time.monotonic()
         self._stop = threading.Event()
@@ -150,18 +171,25 @@ class HeartbeatMonitor:
             self._thread.join()
             raise self._bind_error
 
-    def watch(self, worker_id: int, identity: bytes) -> None:
-        """Start expecting heartbeats from ``identity`` as worker ``worker_id`` (replacing any previous one)."""
+    def watch(self, worker_id: int, identity: bytes, session: Session) -> None:
+        """Start expecting heartbeats from ``identity`` as worker ``worker_id`` (replacing any previous one).
+
+        ``session``: the heartbeat keys agreed when that worker joined the command socket.
+        """
         with self._lock:
             for old, w in list(self._watched.items()):
                 if w == worker_id:
                     del self._watched[old]
+                    self._sessions.pop(old, None)
+            self._sessions[identity] = session
             self._watched[identity] = worker_id
             self._last_heard[worker_id] = time.monotonic()
 
     def forget(self, worker_id: int) -> None:
         """Stop tracking worker ``worker_id``."""
         with self._lock:
+            for ident in [ident for ident, w in self._watched.items() if w == worker_id]:
+                self._sessions.pop(ident, None)
             self._watched = {ident: w for ident, w in self._watched.items() if w != worker_id}
             self._last_heard.pop(worker_id, None)
 
@@ -189,7 +217,15 @@ class HeartbeatMonitor:
 
     def _run(self) -> None:
         try:
-            channel = Channel.bind_router(self._context, self._address, self._key)
+            channel = Channel.bind_router(
+                self._context,
+                self._address,
+                self._key,
+                accept_joins=False,
+                sessions=self._sessions,
+                max_message_bytes=HEARTBEAT_MAX_BYTES,
+                curve=self._curve,
+            )
         except BaseException as exc:
             self._bind_error = exc
             self._bound.set()
@@ -209,8 +245,8 @@ class HeartbeatMonitor:
                     for identity in identities:
                         try:
                             channel.send(Kind.HEARTBEAT, to=identity)
-                        except zmq.ZMQError:
-                            pass  # not connected (yet, or any more): its silence is what expires it
+                        except (zmq.ZMQError, ProtocolError):
+                            pass  # not connected (yet, or any more), or just forgotten: its silence expires it
                     next_beat = now + interval
                 # Short polls so that close() never waits a whole interval.
                 received = channel.recv(min(0.1, max(0.0, next_beat - time.monotonic())), routed=True)
@@ -234,13 +270,14 @@ class HeartbeatClient:
         context: the worker's ZeroMQ context.
         learner_address: the learner address the worker connected to.
         endpoint: the learner's heartbeat endpoint (from INIT).
-        key: the shared HMAC secret.
+        session: the heartbeat keys and counters agreed when this worker joined (kept across reconnects).
         identity: this worker's routing identity.
         config: the heartbeat constants (from INIT, so both sides agree).
         parent_pid: the learner's pid, for a worker that is its child: the learner is lost
             as soon as this worker's parent is another process.
         exit_grace: seconds the main thread gets to exit by itself once the learner is lost,
             before this thread ends the process (an env step may never return).
+        curve: encrypt, as the command connection does.
     """
 
     def __init__(
@@ -248,16 +285,17 @@ class HeartbeatClient:
         context: zmq.Context,
         learner_address: str,
         endpoint: str,
-        key: bytes,
+        session: Session,
         identity: bytes,
         config: Heartbeat,
         *,
         parent_pid: int | None = None,
         exit_grace: float = 1.0,
+        curve: Curve | None = None,
     ) -> None:
         self.config = config
         self.address = _connect_address(learner_address, endpoint)
-        self._context, self._key, self._identity = context, key, identity
+        self._context, self._session, self._identity, self._curve = context, session, identity, curve
         self._parent_pid = parent_pid
         self._exit_grace = exit_grace
         self.learner_lost = threading.Event()
@@ -273,7 +311,15 @@ class HeartbeatClient:
 
     def _connect(self) -> tuple[Channel, zmq.Socket]:
         """The heartbeat channel, and a monitor of its connection (which tells a dead learner from a silent one)."""
-        channel = Channel.connect_dealer(self._context, self.address, self._key, self._identity)
+        channel = Channel.connect_dealer(
+            self._context,
+            self.address,
+            b"",  # never joins: its keys come from the command connection's join
+            self._identity,
+            session=self._session,
+            max_message_bytes=HEARTBEAT_MAX_BYTES,
+            curve=self._curve,
+        )
         channel.socket.setsockopt(zmq.SNDTIMEO, 0)  # never block on a learner that stopped reading
         monitor = channel.socket.get_monitor_socket(_CONNECTION_EVENTS)
         return channel, monitor

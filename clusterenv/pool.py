@@ -27,7 +27,6 @@ A replacement that fails in turn raises: restarts do not loop.
 from __future__ import annotations
 
 import logging
-import pickle
 import secrets
 import time
 import weakref
@@ -39,10 +38,11 @@ import zmq
 
 from clusterenv.cleanup import remove_stale_dirs
 from clusterenv.errors import RemoteEnvError, WorkerLostError, WorkerStartError, WorkerTimeoutError
-from clusterenv.launch import Launcher, resolve_launcher
+from clusterenv.launch import Launcher, LocalLauncher, resolve_launcher
 from clusterenv.liveness import Heartbeat, HeartbeatMonitor, heartbeat_address
 from clusterenv.protocol import Kind, Message
-from clusterenv.transport import Channel, is_loopback, resolve_secret
+from clusterenv.safe_pickle import loader
+from clusterenv.transport import Channel, Curve, is_loopback, resolve_secret
 
 __all__ = ["Command", "WorkerPool", "weak_callback"]
 
@@ -74,6 +74,9 @@ class WorkerPool:
         on_worker_failure: ``"raise"`` or ``"restart"``.
         start_timeout: seconds for workers to join and build their envs.
         describe_work: names what a worker was running in a lost-worker error, e.g. ``"envs 4..7"``.
+        trusted_classes: classes (or ``"module.Name"``) that replies from workers this pool did not
+            start itself may contain, beyond data (see :mod:`clusterenv.safe_pickle`).
+        encrypt: CurveZMQ on both sockets, keys derived from the secret (see :mod:`clusterenv.transport`).
     """
 
     def __init__(
@@ -87,6 +90,8 @@ class WorkerPool:
         on_worker_failure: str,
         start_timeout: float,
         describe_work: Callable[[int], str] = lambda worker_id: f"worker {worker_id}",
+        trusted_classes: Iterable[type | str] = (),
+        encrypt: bool = False,
     ) -> None:
         key = resolve_secret(secret)
         if bind is not None and not is_loopback(bind) and key is None:
@@ -107,15 +112,28 @@ class WorkerPool:
                 "and none was given: a random one would lock them all out. Pass `secret=` or set "
                 "$CLUSTERENV_SECRET, and give the workers the same value."
             )
+        #: Unpickles what workers send: plain pickle for our own child processes, else data and trusted classes only.
+        self.loads: Callable[[bytes], Any] = loader(
+            trusted_classes, restricted=not isinstance(self.launcher, LocalLauncher)
+        )
         if bind is None and getattr(self.launcher, "requires_tcp", False):
             bind = "tcp://127.0.0.1:*"  # workers connect from other processes that Ray starts, on this host
         remove_stale_dirs()  # of learners that were killed: a learner starting is when someone is there to do it
+        if encrypt:
+            if not hasattr(self.launcher, "encrypt"):
+                raise ValueError(
+                    f"`encrypt=True` needs a launcher with an `encrypt` attribute, to start its workers with "
+                    f"encryption; {type(self.launcher).__name__} has none."
+                )
+            self.launcher.encrypt = True
+        key = key or secrets.token_hex(32).encode()
+        curve = Curve.from_secret(key) if encrypt else None
         self._context = zmq.Context()
-        self._channel = Channel.bind_router(self._context, bind, key or secrets.token_hex(32).encode())
+        self._channel = Channel.bind_router(self._context, bind, key, curve=curve)
         self.address = self._channel.endpoint
         try:
             self._monitor = HeartbeatMonitor(
-                self._context, heartbeat_address(bind) if bind else None, self._channel.key, heartbeat
+                self._context, heartbeat_address(bind) if bind else None, key, heartbeat, curve=curve
             )
         except BaseException:
             self._channel.close()
@@ -220,7 +238,9 @@ class WorkerPool:
 
     def _send_init(self, worker_id: int, *, replacement: bool) -> None:
         meta, blobs = self._init_commands[worker_id]
-        self._monitor.watch(worker_id, self._identities[worker_id])  # the worker starts beating on receipt
+        identity = self._identities[worker_id]
+        # The worker starts beating on receipt, with the heartbeat keys agreed when it joined.
+        self._monitor.watch(worker_id, identity, self._channel.heartbeat_session(identity))
         pool_meta = {
             "worker_id": worker_id,
             "heartbeat": self.heartbeat.to_meta(),
@@ -266,7 +286,12 @@ class WorkerPool:
         reached some workers only would silently desynchronize the envs.)
         """
         encoded = [
-            (w, self._channel.frames(kind, {**(meta or {}), "seq": self.seq}, list(arrays), list(blobs)))
+            (
+                w,
+                self._channel.frames(
+                    kind, {**(meta or {}), "seq": self.seq}, list(arrays), list(blobs), to=self._identities[w]
+                ),
+            )
             for w, (meta, arrays, blobs) in commands.items()
         ]
         for (worker_id, frames), (meta, arrays, blobs) in zip(encoded, commands.values(), strict=True):
@@ -430,9 +455,9 @@ class WorkerPool:
         )
         if msg.blobs:
             try:
-                error.__cause__ = pickle.loads(msg.blobs[0])
-            except Exception:
-                logger.debug("Could not unpickle the remote exception.", exc_info=True)
+                error.__cause__ = self.loads(msg.blobs[0])
+            except Exception as exc:
+                logger.debug("Could not unpickle the remote exception: %s", exc)
         self.on_fatal(False)
         return error
 
@@ -459,6 +484,8 @@ class WorkerPool:
         self._monitor.forget(worker_id)
         old = self._identities.pop(worker_id, None)
         self._peers.pop(old or b"", None)
+        if old is not None:
+            self._channel.forget(old)
         self.launcher.start([worker_id], self.address, self.key)
         self._join([worker_id], self.start_timeout)
         self._failed.discard(worker_id)

@@ -1,18 +1,27 @@
-"""Wire format between learner and workers: message kinds, framing and authentication.
+"""Wire format between learner and workers: message kinds, framing, keys and authentication.
 
 A message is a ZeroMQ multipart message::
 
-    [header, array_0, ..., array_k, blob_0, ..., blob_m, mac]
+    [header, array_0, ..., array_k, blob_0, ..., blob_m, trailer]
 
 * ``header`` is a msgpack list: protocol version, kind, a small ``meta`` map, the
   ``[dtype, shape]`` of every array frame, and the number of blobs.
 * Array frames are raw C-contiguous buffers (zero-copy on both ends where it pays).
 * Blobs are cloudpickled Python objects (env factories, infos, call results). They are
   unpickled only after the MAC has been checked: pickles are code.
-* ``mac`` is an HMAC-SHA256 keyed by the shared secret over the header and the blobs,
-  and also over the array frames when ``cover_arrays`` is set (tcp). On ``ipc://`` the
-  socket file lives in a ``0700`` directory, so the OS already authenticates the peer
-  and hashing every observation frame would only cost time.
+* ``trailer`` is fixed-size: the sender's message counter, the number of array frames,
+  and an HMAC-SHA256 over both, the length of every frame, the header, the blobs, and
+  the array frames too when ``cover_arrays`` is set (tcp). On ``ipc://`` the socket file
+  lives in a ``0700`` directory, so the OS already authenticates the peer and hashing
+  every observation frame would only cost time.
+
+The receiver checks the trailer's MAC before anything is parsed (msgpack included), and
+only then the counter: each direction of a connection counts its messages, so a
+replayed or reordered message is dropped. Keys are per connection and per direction,
+derived with HKDF-SHA256 from the shared secret and a nonce from each side, exchanged in
+a three-message join (:data:`Kind.HELLO`, :data:`Kind.WELCOME`, :data:`Kind.JOIN`; see
+:mod:`clusterenv.transport`). Only HELLO and WELCOME use a key derived from the secret
+alone; WELCOME echoes the worker's nonce, so neither can be replayed into a join.
 
 Everything here is a pure function of bytes, so the decoder can be fuzzed in isolation.
 """
@@ -37,24 +46,38 @@ __all__ = [
     "COALESCE_BYTES",
     "MAX_HEADER_BYTES",
     "MAX_HEADER_INT",
+    "NONCE_BYTES",
     "PROTOCOL_VERSION",
     "ROLLOUT_FIELDS",
+    "TRAILER_BYTES",
     "Kind",
     "Message",
+    "Session",
     "coalesce",
     "decode",
+    "derive_key",
     "encode",
+    "hello_session",
+    "parse",
     "rollout_frames",
+    "session_pair",
     "split",
     "split_rollout_frames",
+    "verify",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_HEADER_BYTES = 64 * 1024
 #: The largest integer a header can carry (msgpack's uint64); the smallest is -2**63.
 MAX_HEADER_INT = 2**64 - 1
-MAC_BYTES = 32
+NONCE_BYTES = 16
+# Message counter, number of array frames, HMAC-SHA256.
+_TRAILER = struct.Struct("<QI32s")
+TRAILER_BYTES = _TRAILER.size
 _MAX_NDIM = 32
+# The most frames a coalesced message may announce: far above any real message, low enough
+# that reading the frame table of a forged one costs nothing.
+_MAX_COALESCED_FRAMES = 1 << 16
 # Messages smaller than this travel as one frame: each ZeroMQ frame costs ~8 µs a round trip.
 COALESCE_BYTES = 64 * 1024
 # Below this size one C call over joined bytes beats incremental hashing.
@@ -78,6 +101,7 @@ class Kind(IntEnum):
     ROLLOUT = 9
     SHARE_OBS = 12
     PROBE = 13
+    WELCOME = 14
 
     HELLO = 101
     READY = 102
@@ -88,6 +112,7 @@ class Kind(IntEnum):
     ROLLOUT_RESULT = 107
     HEARTBEAT = 108
     WEIGHTS_REQUEST = 109
+    JOIN = 110
 
 
 _KINDS = {int(kind): kind for kind in Kind}
@@ -141,24 +166,78 @@ class Message:
     blobs: list[bytes] = field(default_factory=list)
 
 
-@functools.lru_cache(maxsize=16)
-def _keyed_hmac(key: bytes) -> hmac.HMAC:
-    """An HMAC with the key already absorbed: copying it skips re-deriving the key pads per message."""
-    return hmac.new(key, digestmod="sha256")
+class Session:
+    """The keys and message counters of one connection, one of each per direction.
+
+    The HMAC objects have their key already absorbed: copying one skips re-deriving the
+    key pads for every message. ``heartbeat`` is the session of the same worker's
+    heartbeat connection (its own keys and counters).
+    """
+
+    __slots__ = ("heartbeat", "received", "recv_mac", "send_mac", "sent")
+
+    def __init__(self, send_key: bytes, recv_key: bytes, heartbeat: Session | None = None) -> None:
+        self.send_mac = hmac.new(send_key, digestmod="sha256")
+        self.recv_mac = hmac.new(recv_key, digestmod="sha256")
+        self.sent = 0  # the counter of the last message sent
+        self.received = 0  # the highest counter accepted
+        self.heartbeat = heartbeat
 
 
-def _mac(key: bytes, frames: list[Any]) -> bytes:
-    views = [frame if type(frame) is bytes else memoryview(frame).cast("B") for frame in frames]
-    sizes = [len(view) for view in views]
-    # Length-prefix each frame so that moving bytes across a frame boundary changes the MAC.
-    lengths = struct.pack(f"<{len(sizes)}Q", *sizes)
-    mac = _keyed_hmac(key).copy()
-    if sum(sizes) <= _ONE_SHOT_MAC_BYTES:
-        mac.update(lengths + b"".join(views))
+def _hkdf(secret: bytes, salt: bytes, info: bytes) -> bytes:
+    """HKDF-SHA256 (RFC 5869) with one block of output: 32 bytes."""
+    prk = hmac.digest(salt, secret, "sha256")
+    return hmac.digest(prk, info + b"\x01", "sha256")
+
+
+def derive_key(secret: bytes, label: str) -> bytes:
+    """A 32-byte key for one purpose (``label``), derived from the secret alone."""
+    return _hkdf(secret, b"", b"clusterenv/2 " + label.encode())
+
+
+def hello_session(secret: bytes) -> Session:
+    """The session of HELLO and WELCOME, the only messages keyed by the secret alone (same key both ways)."""
+    key = derive_key(secret, "hello")
+    return Session(key, key)
+
+
+def session_pair(secret: bytes, worker_nonce: bytes, learner_nonce: bytes, identity: bytes) -> tuple[Session, Session]:
+    """The ``(learner, worker)`` ends of one worker's connections: command keys, and heartbeat keys inside."""
+    salt = worker_nonce + learner_nonce
+
+    def key(label: str) -> bytes:
+        return _hkdf(secret, salt, b"clusterenv/2 " + label.encode() + b" " + identity)
+
+    to_worker, to_learner = key("command learner->worker"), key("command worker->learner")
+    beat_to_worker, beat_to_learner = key("heartbeat learner->worker"), key("heartbeat worker->learner")
+    learner = Session(to_worker, to_learner, Session(beat_to_worker, beat_to_learner))
+    worker = Session(to_learner, to_worker, Session(beat_to_learner, beat_to_worker))
+    return learner, worker
+
+
+@functools.lru_cache(maxsize=64)
+def _prefix(n_frames: int) -> struct.Struct:
+    return struct.Struct(f"<QI{n_frames}Q")
+
+
+def _tag(mac: hmac.HMAC, counter: int, n_arrays: int, frames: list[Any], cover_arrays: bool) -> bytes:
+    """The MAC of a message's frames (all but the trailer) under its counter."""
+    # Frames are bytes, arrays, zmq.Frames or byte memoryviews: all buffers, hashed and joined as they are.
+    sizes = [len(frame) if type(frame) is bytes else memoryview(frame).nbytes for frame in frames]
+    # The counter, the array count and every frame's length first: moving bytes across a
+    # frame boundary, or an array frame into the blobs, changes the MAC.
+    prefix = _prefix(len(sizes)).pack(counter, n_arrays, *sizes)
+    mac = mac.copy()
+    if cover_arrays:
+        covered, covered_bytes = frames, sum(sizes)
+    else:
+        covered, covered_bytes = [frames[0], *frames[1 + n_arrays :]], sizes[0] + sum(sizes[1 + n_arrays :])
+    if covered_bytes <= _ONE_SHOT_MAC_BYTES:
+        mac.update(prefix + b"".join(covered))
         return mac.digest()
-    mac.update(lengths)
-    for view in views:
-        mac.update(view)
+    mac.update(prefix)
+    for frame in covered:
+        mac.update(frame)
     return mac.digest()
 
 
@@ -168,18 +247,20 @@ def encode(
     arrays: list[np.ndarray] | tuple[np.ndarray, ...] = (),
     blobs: list[bytes] | tuple[bytes, ...] = (),
     *,
-    key: bytes,
+    mac: hmac.HMAC,
+    counter: int,
     cover_arrays: bool,
 ) -> list[Any]:
-    """Frames for one message, ending with its MAC."""
+    """Frames for one message, ending with its trailer (``counter`` and the MAC under ``mac``'s key)."""
     contiguous = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in arrays]
     header = msgpack.packb(
         [PROTOCOL_VERSION, int(kind), meta or {}, [(a.dtype.str, a.shape) for a in contiguous], len(blobs)]
     )
     if len(header) > MAX_HEADER_BYTES:
         raise ProtocolError(f"Message header is {len(header)} bytes, more than {MAX_HEADER_BYTES}.")
-    covered = [header, *contiguous, *blobs] if cover_arrays else [header, *blobs]
-    return [header, *contiguous, *blobs, _mac(key, covered)]
+    frames: list[Any] = [header, *contiguous, *blobs]
+    frames.append(_TRAILER.pack(counter, len(contiguous), _tag(mac, counter, len(contiguous), frames, cover_arrays)))
+    return frames
 
 
 def coalesce(frames: list[Any]) -> list[Any]:
@@ -204,10 +285,12 @@ def split(frames: list[Any]) -> list[Any]:
         raise ProtocolError(f"Single-frame message of {data.nbytes} bytes is too short for its frame table.")
     (count,) = struct.unpack_from("<I", data)
     table_end = 4 + 4 * count
-    if count < 2 or table_end > data.nbytes:
+    if count < 2 or table_end > data.nbytes or count > _MAX_COALESCED_FRAMES:
         raise ProtocolError(
             f"Single-frame message announces {count} frames, which its {data.nbytes} bytes cannot hold."
         )
+    if data.nbytes > table_end + COALESCE_BYTES:  # checked before the table is read: it is not authenticated
+        raise ProtocolError(f"Single-frame message of {data.nbytes} bytes is larger than any coalesced message.")
     lengths = struct.unpack_from(f"<{count}I", data, 4)
     if table_end + sum(lengths) != data.nbytes:
         raise ProtocolError("Single-frame message lengths do not add up to its size.")
@@ -238,8 +321,6 @@ def _is_count(value: Any) -> bool:
 
 
 def _parse_header(raw: bytes) -> tuple[Kind, dict[str, Any], list[tuple[np.dtype, tuple[int, ...]]], int]:
-    if len(raw) > MAX_HEADER_BYTES:
-        raise ProtocolError(f"Header of {len(raw)} bytes exceeds the {MAX_HEADER_BYTES}-byte limit.")
     try:
         header = msgpack.unpackb(raw, strict_map_key=True)
     except Exception as exc:
@@ -272,25 +353,38 @@ def _parse_header(raw: bytes) -> tuple[Kind, dict[str, Any], list[tuple[np.dtype
     return kind, meta, specs, n_blobs
 
 
-def decode(frames: list[Any], *, key: bytes, cover_arrays: bool) -> Message:
-    """Check and decode one message; raise :class:`ProtocolError` on anything unexpected.
+def verify(frames: list[Any], *, mac: hmac.HMAC, cover_arrays: bool) -> tuple[int, int]:
+    """Check a message's MAC, before anything in it is parsed; returns its ``(counter, number of arrays)``."""
+    if len(frames) < 2:
+        raise ProtocolError(f"Message has {len(frames)} frame(s); expected at least a header and a trailer.")
+    trailer = frames[-1]
+    if len(trailer) != TRAILER_BYTES:
+        raise ProtocolError(f"Message trailer is {len(trailer)} bytes; expected {TRAILER_BYTES}.")
+    counter, n_arrays, tag = _TRAILER.unpack(trailer)
+    if n_arrays > len(frames) - 2:
+        raise ProtocolError(f"Message trailer announces {n_arrays} array(s) in {len(frames)} frames.")
+    if not hmac.compare_digest(tag, _tag(mac, counter, n_arrays, frames[:-1], cover_arrays)):
+        raise AuthenticationError(
+            "Message MAC does not match: the peer does not hold the shared secret, or not this connection's keys."
+        )
+    return counter, n_arrays
+
+
+def parse(frames: list[Any], n_arrays: int) -> Message:
+    """Decode a message whose MAC :func:`verify` accepted; raise :class:`ProtocolError` on anything unexpected.
 
     Array payloads are returned as read-only views of the received frames.
     """
-    if len(frames) < 2:
-        raise ProtocolError(f"Message has {len(frames)} frame(s); expected at least a header and a MAC.")
+    if len(frames[0]) > MAX_HEADER_BYTES:  # checked before the header is copied out of its frame
+        raise ProtocolError(f"Header of {len(frames[0])} bytes exceeds the {MAX_HEADER_BYTES}-byte limit.")
     kind, meta, specs, n_blobs = _parse_header(bytes(frames[0]))
-    if len(frames) != 2 + len(specs) + n_blobs:
+    if len(specs) != n_arrays or len(frames) != 2 + n_arrays + n_blobs:
         raise ProtocolError(
-            f"Message has {len(frames)} frames but its header announces {len(specs)} array(s) and {n_blobs} blob(s)."
+            f"Message has {len(frames)} frames and {n_arrays} array(s) but its header announces "
+            f"{len(specs)} array(s) and {n_blobs} blob(s)."
         )
-    array_frames = frames[1 : 1 + len(specs)]
-    blob_frames = frames[1 + len(specs) : -1]
-    covered = [frames[0], *array_frames, *blob_frames] if cover_arrays else [frames[0], *blob_frames]
-    if not hmac.compare_digest(bytes(frames[-1]), _mac(key, covered)):
-        raise AuthenticationError("Message MAC does not match: the peer does not hold the shared secret.")
     arrays = []
-    for (dtype, shape), frame in zip(specs, array_frames, strict=True):
+    for (dtype, shape), frame in zip(specs, frames[1 : 1 + n_arrays], strict=True):
         buffer = memoryview(frame).toreadonly()  # received zmq.Frames are writable; callers get views only
         expected = math.prod(shape) * dtype.itemsize
         if buffer.nbytes != expected:
@@ -298,4 +392,10 @@ def decode(frames: list[Any], *, key: bytes, cover_arrays: bool) -> Message:
                 f"Array frame has {buffer.nbytes} bytes; dtype {dtype} and shape {shape} need {expected}."
             )
         arrays.append(np.frombuffer(buffer, dtype=dtype).reshape(shape))
-    return Message(kind, meta, arrays, [bytes(b) for b in blob_frames])
+    return Message(kind, meta, arrays, [bytes(b) for b in frames[1 + n_arrays : -1]])
+
+
+def decode(frames: list[Any], *, mac: hmac.HMAC, cover_arrays: bool) -> Message:
+    """:func:`verify`, then :func:`parse` (the counter is the caller's to check)."""
+    _, n_arrays = verify(frames, mac=mac, cover_arrays=cover_arrays)
+    return parse(frames, n_arrays)

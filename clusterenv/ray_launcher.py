@@ -50,10 +50,10 @@ class _WorkerActor:
 
         return str(ray.get_runtime_context().get_node_id())
 
-    def serve(self, address: str, worker_id: int, key: bytes) -> int:
+    def serve(self, address: str, worker_id: int, key: bytes, encrypt: bool = False) -> int:
         from clusterenv.worker import serve
 
-        return serve(address, worker_id, key)
+        return serve(address, worker_id, key, encrypt=encrypt)
 
 
 class RayLauncher:
@@ -98,6 +98,7 @@ class RayLauncher:
         self._actors: dict[int, Any] = {}
         self._runs: dict[int, Any] = {}
         self._nodes: dict[int, Any] = {}
+        self.encrypt = False  # set by the pool under ClusterEnv(encrypt=True)
 
     def _ray(self) -> Any:
         ray = _import_ray()
@@ -123,7 +124,7 @@ class RayLauncher:
             actor = actor_class.options(name=None, **self.options).remote()
             self._actors[worker_id] = actor
             self._nodes[worker_id] = actor.node_id.remote()  # asked first: the actor is busy serving after
-            self._runs[worker_id] = actor.serve.remote(address, worker_id, key)
+            self._runs[worker_id] = actor.serve.remote(address, worker_id, key, self.encrypt)
 
     def exit_code(self, worker_id: int) -> int | None:
         """The serve loop's status once it returned, 1 if it raised, -9 if the actor died; ``None`` while running."""

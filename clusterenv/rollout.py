@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import pickle
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -557,7 +556,7 @@ class PolicyRunner:
             if self._stream is None:  # prefetch mode keeps them as each result arrives
                 self._keep_probe_states(w, obs)
             if msg.blobs[0]:
-                logs.append((offset, pickle.loads(msg.blobs[0])))
+                logs.append((offset, envs.pool.loads(msg.blobs[0])))
             if msg.meta.get("restarted"):
                 restarted += [(i, {WORKER_RESTARTED_KEY: True}) for i in range(offset, offset + sl.stop - sl.start)]
             offset += sl.stop - sl.start

@@ -1,9 +1,26 @@
-"""ZeroMQ sockets: where the learner binds, how workers connect, and safe defaults.
+"""ZeroMQ sockets: where the learner binds, how workers connect, joining, and safe defaults.
 
 The learner owns one ROUTER socket; each worker owns one DEALER with an explicit routing
 identity (the zguide's Paranoid Pirate layout). Every socket has ``LINGER=0`` so that
 closing never blocks on unsent messages, and ``ROUTER_MANDATORY`` so that a message to
 a worker that is gone fails loudly instead of vanishing.
+
+Joining: a worker's first message is HELLO with a fresh nonce; the learner answers
+WELCOME with its own nonce (echoing the worker's), and both derive the keys of that
+connection (:func:`~clusterenv.protocol.session_pair`); the worker proves it holds them
+with JOIN. Only then does the learner's caller see the HELLO. A replayed HELLO earns a
+WELCOME that nobody without the secret can answer; a replayed WELCOME does not echo the
+worker's current nonce. From then on each message carries a counter under its MAC, and
+a message whose counter is not above the last one received is dropped.
+
+Size limits come before any decoding: a peer that has not joined may send at most
+:data:`PRE_JOIN_BYTES` per message, a joined one :attr:`Channel.max_message_bytes`.
+
+Encryption (``ClusterEnv(encrypt=True)``) is CurveZMQ under all of that: the learner's
+keypair and the workers' shared keypair are derived from the secret (:class:`Curve`),
+so a peer without the secret fails ZeroMQ's own handshake and none of its messages is
+ever read into the learner's memory; and messages cross the network encrypted. CurveZMQ
+authenticates every message, so the HMAC then skips the array frames, as on ``ipc://``.
 """
 
 from __future__ import annotations
@@ -21,14 +38,31 @@ from urllib.parse import urlsplit
 
 import numpy as np
 import zmq
+from zmq.utils import z85
 
 from clusterenv.cleanup import scratch_dir
 from clusterenv.errors import ProtocolError
-from clusterenv.protocol import Kind, Message, coalesce, decode, encode, split
+from clusterenv.protocol import (
+    NONCE_BYTES,
+    Kind,
+    Message,
+    Session,
+    coalesce,
+    derive_key,
+    encode,
+    hello_session,
+    parse,
+    session_pair,
+    split,
+    verify,
+)
 
 __all__ = [
+    "MAX_MESSAGE_BYTES",
+    "PRE_JOIN_BYTES",
     "SECRET_ENV_VAR",
     "Channel",
+    "Curve",
     "is_loopback",
     "new_identity",
     "resolve_secret",
@@ -39,6 +73,13 @@ logger = logging.getLogger(__name__)
 SECRET_ENV_VAR = "CLUSTERENV_SECRET"
 # A generous cap: policy weights travel in one message. Larger messages are dropped by ZeroMQ.
 MAX_MESSAGE_BYTES = 1 << 31
+#: The most a peer that has not joined may send in one message (HELLO and JOIN need ~200 bytes).
+PRE_JOIN_BYTES = 4096
+# Joins under way (HELLO answered, JOIN awaited): the oldest is forgotten beyond this.
+_MAX_PENDING_JOINS = 64
+# Dropped messages logged one by one per window; the rest are counted in one line.
+_DROP_LOG_BURST = 10
+_DROP_LOG_WINDOW_S = 10.0
 
 
 def new_identity(worker_id: int | None) -> bytes:
@@ -84,20 +125,109 @@ def is_loopback(address: str) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class Curve:
+    """CurveZMQ keys (z85): the learner's keypair, and one keypair shared by its workers, all from the secret.
+
+    The learner's public key is never sent, and a client must know it to complete
+    CurveZMQ's handshake: only holders of the secret connect at all.
+    """
+
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+
+    @classmethod
+    def from_secret(cls, secret: bytes) -> Curve:
+        """Derive the keys; raises ``RuntimeError`` if this libzmq was built without CurveZMQ."""
+        if not zmq.has("curve"):
+            raise RuntimeError("Encryption needs a libzmq built with CurveZMQ (libsodium); this one is not.")
+        server = z85.encode(derive_key(secret, "curve learner"))
+        client = z85.encode(derive_key(secret, "curve worker"))
+        return cls(zmq.curve_public(server), server, zmq.curve_public(client), client)
+
+    def serve(self, socket: zmq.Socket) -> None:
+        """Make ``socket`` (not yet bound) a CurveZMQ server."""
+        socket.setsockopt(zmq.CURVE_SERVER, 1)
+        socket.setsockopt(zmq.CURVE_SECRETKEY, self.server_secret)
+
+    def connect(self, socket: zmq.Socket) -> None:
+        """Make ``socket`` (not yet connected) a CurveZMQ client of the learner."""
+        socket.setsockopt(zmq.CURVE_SERVERKEY, self.server_public)
+        socket.setsockopt(zmq.CURVE_PUBLICKEY, self.client_public)
+        socket.setsockopt(zmq.CURVE_SECRETKEY, self.client_secret)
+
+
+class _DropLog:
+    """Logs dropped messages, at most ``_DROP_LOG_BURST`` per window: a flood must not flood the log."""
+
+    def __init__(self) -> None:
+        self.window_end = 0.0
+        self.logged = 0
+        self.suppressed = 0
+
+    def __call__(self, sender: bytes | None, exc: ProtocolError) -> None:
+        now = time.monotonic()
+        if now >= self.window_end:
+            if self.suppressed:
+                logger.warning(
+                    "Dropped %d more messages in the last %.0f s without logging them.",
+                    self.suppressed,
+                    _DROP_LOG_WINDOW_S,
+                )
+            self.window_end, self.logged, self.suppressed = now + _DROP_LOG_WINDOW_S, 0, 0
+        if self.logged < _DROP_LOG_BURST:
+            self.logged += 1
+            logger.warning("Dropped a message from %r: %s", sender, exc)
+        else:
+            self.suppressed += 1
+
+
 @dataclass
 class Channel:
-    """A socket plus the key and framing rules used on it."""
+    """A socket plus the keys, counters and framing rules used on it.
+
+    Attributes:
+        key: the shared secret (joins derive every connection's keys from it).
+        sessions: per peer (``None`` on a DEALER), the keys and counters of its connection.
+        accept_joins: whether peers may join here; the heartbeat socket gets its sessions
+            from the command socket's joins instead.
+        max_message_bytes: the most a joined peer may send in one message.
+    """
 
     socket: zmq.Socket
     key: bytes
     cover_arrays: bool
+    accept_joins: bool = True
+    sessions: dict[bytes | None, Session] = field(default_factory=dict)
+    max_message_bytes: int = MAX_MESSAGE_BYTES
     _remove_tmpdir: weakref.finalize | None = field(default=None, repr=False)
     # The receive timeout currently set on the socket (ms, -1 = forever), to set it only when it changes.
     _rcvtimeo: int | None = field(default=None, repr=False)
+    # Learner: joins under way, by peer: (learner's session, the HELLO). Worker: the nonce of its HELLO.
+    _pending: dict[bytes, tuple[Session, Message]] = field(default_factory=dict, repr=False)
+    _hello_nonce: bytes | None = field(default=None, repr=False)
+    _hello: Session | None = field(default=None, repr=False)
+    _drop_log: _DropLog = field(default_factory=_DropLog, repr=False)
 
     @classmethod
-    def bind_router(cls, context: zmq.Context, address: str | None, key: bytes) -> Channel:
-        """Bind the learner's ROUTER; ``address=None`` means a fresh private ``ipc://`` path."""
+    def bind_router(
+        cls,
+        context: zmq.Context,
+        address: str | None,
+        key: bytes,
+        *,
+        accept_joins: bool = True,
+        sessions: dict[bytes | None, Session] | None = None,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        curve: Curve | None = None,
+    ) -> Channel:
+        """Bind the learner's ROUTER; ``address=None`` means a fresh private ``ipc://`` path.
+
+        ``max_message_bytes`` is also ZeroMQ's ``MAXMSGSIZE``, which applies to connections
+        as it was at bind time: set it here, not later. ``curve``: encrypt (CurveZMQ server).
+        """
         tmpdir = None
         if address is None:
             tmpdir = scratch_dir()  # mode 0700: only this user can connect
@@ -105,7 +235,9 @@ class Channel:
         socket = context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        if curve is not None:
+            curve.serve(socket)
         try:
             socket.bind(address)
         except zmq.ZMQError as exc:
@@ -113,26 +245,67 @@ class Channel:
             if tmpdir:
                 shutil.rmtree(tmpdir, ignore_errors=True)
             raise OSError(f"Cannot bind the learner socket to {address!r}: {exc}") from exc
-        channel = cls(socket, key, cover_arrays=not address.startswith("ipc://"))
+        channel = cls(
+            socket,
+            key,
+            cover_arrays=not address.startswith("ipc://") and curve is None,
+            accept_joins=accept_joins,
+            sessions={} if sessions is None else sessions,
+            max_message_bytes=max_message_bytes,
+        )
         if tmpdir:
             # Also at interpreter exit, for a channel never closed; a killed learner's is removed by the next one.
             channel._remove_tmpdir = weakref.finalize(channel, shutil.rmtree, tmpdir, ignore_errors=True)
         return channel
 
     @classmethod
-    def connect_dealer(cls, context: zmq.Context, address: str, key: bytes, identity: bytes) -> Channel:
-        """Connect a worker's DEALER to the learner."""
+    def connect_dealer(
+        cls,
+        context: zmq.Context,
+        address: str,
+        key: bytes,
+        identity: bytes,
+        *,
+        session: Session | None = None,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        curve: Curve | None = None,
+    ) -> Channel:
+        """Connect a worker's DEALER to the learner (with ``session``: on keys agreed on another connection).
+
+        ``curve``: encrypt (CurveZMQ client); the learner must encrypt too.
+        """
         socket = context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.IDENTITY, identity)
-        socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        if curve is not None:
+            curve.connect(socket)
         socket.connect(address)
-        return cls(socket, key, cover_arrays=not address.startswith("ipc://"))
+        sessions: dict[bytes | None, Session] = {} if session is None else {None: session}
+        return cls(
+            socket,
+            key,
+            cover_arrays=not address.startswith("ipc://") and curve is None,
+            accept_joins=False,
+            sessions=sessions,
+            max_message_bytes=max_message_bytes,
+        )
 
     @property
     def endpoint(self) -> str:
         """The address actually bound (wildcard ports resolved)."""
         return self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def heartbeat_session(self, peer: bytes | None = None) -> Session:
+        """The heartbeat keys and counters agreed when ``peer`` (on a DEALER: the learner) joined."""
+        heartbeat = self.sessions[peer].heartbeat
+        assert heartbeat is not None
+        return heartbeat
+
+    def forget(self, peer: bytes) -> None:
+        """Drop a peer's keys: nothing it sends is accepted any more."""
+        self.sessions.pop(peer, None)
+        self._pending.pop(peer, None)
 
     def send(
         self,
@@ -143,8 +316,15 @@ class Channel:
         *,
         to: bytes | None = None,
     ) -> None:
-        """Send one message (to ``to`` on a ROUTER)."""
-        self.send_frames(self.frames(kind, meta, arrays, blobs), to=to)
+        """Send one message (to ``to`` on a ROUTER); a worker's HELLO starts its join."""
+        session = self.sessions.get(to)
+        if session is None:
+            if kind is not Kind.HELLO or to is not None:
+                raise ProtocolError(f"Cannot send {kind.name} to {to!r}: that peer has not joined.")
+            self._hello_nonce = secrets.token_bytes(NONCE_BYTES)
+            self._send(self._hello_session(), kind, {**(meta or {}), "nonce": self._hello_nonce}, (), (), to)
+            return
+        self._send(session, kind, meta, arrays, blobs, to)
 
     def frames(
         self,
@@ -152,9 +332,40 @@ class Channel:
         meta: dict[str, Any] | None = None,
         arrays: list[np.ndarray] | tuple[np.ndarray, ...] = (),
         blobs: list[bytes] | tuple[bytes, ...] = (),
+        *,
+        to: bytes | None = None,
     ) -> list[Any]:
-        """One message encoded for this channel, for :meth:`send_frames`: encoding errors raise here, before sending."""
-        return coalesce(encode(kind, meta, arrays, blobs, key=self.key, cover_arrays=self.cover_arrays))
+        """One message encoded for peer ``to``, for :meth:`send_frames`: encoding errors raise here, before sending."""
+        session = self.sessions.get(to)
+        if session is None:
+            raise ProtocolError(f"Cannot send {kind.name} to {to!r}: that peer has not joined.")
+        return self._encode(session, kind, meta, arrays, blobs)
+
+    def _encode(
+        self,
+        session: Session,
+        kind: Kind,
+        meta: dict[str, Any] | None,
+        arrays: list[np.ndarray] | tuple[np.ndarray, ...],
+        blobs: list[bytes] | tuple[bytes, ...],
+    ) -> list[Any]:
+        session.sent += 1
+        return coalesce(
+            encode(
+                kind, meta, arrays, blobs, mac=session.send_mac, counter=session.sent, cover_arrays=self.cover_arrays
+            )
+        )
+
+    def _send(
+        self,
+        session: Session,
+        kind: Kind,
+        meta: dict[str, Any] | None,
+        arrays: list[np.ndarray] | tuple[np.ndarray, ...],
+        blobs: list[bytes] | tuple[bytes, ...],
+        to: bytes | None,
+    ) -> None:
+        self.send_frames(self._encode(session, kind, meta, arrays, blobs), to=to)
 
     def send_frames(self, frames: list[Any], *, to: bytes | None = None) -> None:
         """Send a message encoded by :meth:`frames` (to ``to`` on a ROUTER)."""
@@ -169,11 +380,18 @@ class Channel:
         # A worker's observation buffer is written again only by the learner's next command.
         socket.send_multipart(frames, copy=False)
 
+    def _hello_session(self) -> Session:
+        if self._hello is None:
+            self._hello = hello_session(self.key)
+        return self._hello
+
     def recv(self, timeout: float | None, *, routed: bool) -> tuple[bytes | None, Message] | None:
         """Receive one valid message within ``timeout`` seconds, or ``None``.
 
-        Messages that fail to decode or authenticate are logged and dropped: a stray or
-        hostile peer must not be able to crash the receiver.
+        Messages that are too large, fail to authenticate, repeat an earlier counter or fail
+        to decode are logged (rate-limited) and dropped: a stray or hostile peer must not be
+        able to crash the receiver. Join messages are answered here and not returned, except
+        that a completed join returns the worker's HELLO.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -184,19 +402,91 @@ class Channel:
             sender = None
             if routed:
                 sender, frames = frames[0].bytes, frames[1:]
+            session = self.sessions.get(sender)
             try:
-                return sender, decode(split(frames), key=self.key, cover_arrays=self.cover_arrays)
+                # Sizes first, from the frames' lengths: nothing is copied or parsed before the MAC.
+                size = len(frames[0]) if len(frames) == 1 else sum(len(frame) for frame in frames)
+                limit = PRE_JOIN_BYTES if session is None else self.max_message_bytes
+                if size > limit:
+                    raise ProtocolError(
+                        f"Message of {size} bytes exceeds the {limit}-byte limit for "
+                        f"{'a peer that has not joined' if session is None else 'a joined peer'}."
+                    )
+                frames = split(frames)
+                if session is None:
+                    hello = self._join(sender, frames)
+                    if hello is not None:
+                        return sender, hello
+                else:
+                    counter, n_arrays = verify(frames, mac=session.recv_mac, cover_arrays=self.cover_arrays)
+                    if counter <= session.received:
+                        raise ProtocolError(
+                            f"Message counter {counter} is not above the last one received ({session.received}): "
+                            "a replayed or reordered message."
+                        )
+                    session.received = counter
+                    return sender, parse(frames, n_arrays)
             except ProtocolError as exc:
-                logger.warning("Dropped a message from %r: %s", sender, exc)
+                self._drop_log(sender, exc)
             if deadline is not None and time.monotonic() >= deadline:
                 return None
+
+    def _join(self, sender: bytes | None, frames: list[Any]) -> Message | None:
+        """Handle a message from a peer without a session: a step of the join, or a :class:`ProtocolError`."""
+        if sender is not None and sender in self._pending:  # the learner awaits this peer's JOIN
+            session, hello = self._pending[sender]
+            try:
+                counter, n_arrays = verify(frames, mac=session.recv_mac, cover_arrays=self.cover_arrays)
+            except ProtocolError:
+                pass  # not the JOIN: maybe a new HELLO, checked below
+            else:
+                if parse(frames, n_arrays).kind is not Kind.JOIN:
+                    raise ProtocolError("Expected JOIN from a peer joining.")
+                del self._pending[sender]
+                session.received = counter
+                self.sessions[sender] = session
+                return hello
+        if not self.accept_joins and self._hello_nonce is None:
+            raise ProtocolError("The peer has not joined.")
+        _, n_arrays = verify(frames, mac=self._hello_session().recv_mac, cover_arrays=self.cover_arrays)
+        msg = parse(frames, n_arrays)
+        if sender is None:  # a worker: the learner's WELCOME
+            nonce = msg.meta.get("nonce")
+            if msg.kind is not Kind.WELCOME or msg.meta.get("echo") != self._hello_nonce or self._hello_nonce is None:
+                raise ProtocolError(
+                    f"Unexpected {msg.kind.name} before joining (not a WELCOME to this worker's HELLO)."
+                )
+            if type(nonce) is not bytes or len(nonce) != NONCE_BYTES:
+                raise ProtocolError("WELCOME carries no valid nonce.")
+            identity = self.socket.getsockopt(zmq.IDENTITY)
+            assert isinstance(identity, bytes)
+            _, session = session_pair(self.key, self._hello_nonce, nonce, identity)
+            self.sessions[None], self._hello_nonce = session, None
+            self._send(session, Kind.JOIN, {}, (), (), None)
+            return None
+        nonce = msg.meta.pop("nonce", None)
+        if msg.kind is not Kind.HELLO:
+            raise ProtocolError(f"Unexpected {msg.kind.name} from a peer that has not joined.")
+        if type(nonce) is not bytes or len(nonce) != NONCE_BYTES:
+            raise ProtocolError("HELLO carries no valid nonce.")
+        learner_nonce = secrets.token_bytes(NONCE_BYTES)
+        session, _ = session_pair(self.key, nonce, learner_nonce, sender)
+        self._pending.pop(sender, None)
+        if len(self._pending) >= _MAX_PENDING_JOINS:
+            del self._pending[next(iter(self._pending))]
+        self._pending[sender] = (session, msg)
+        try:
+            self._send(self._hello_session(), Kind.WELCOME, {"nonce": learner_nonce, "echo": nonce}, (), (), sender)
+        except zmq.ZMQError:
+            del self._pending[sender]  # gone already
+        return None
 
     def _recv_frames(self, timeout_ms: int) -> list[zmq.Frame] | None:
         """The frames of one message, or ``None`` after ``timeout_ms`` (-1: wait forever).
 
         A blocking receive under ``RCVTIMEO`` costs one call where poll-then-receive costs
         two, and uncopied frames (read through ``.more``) avoid ``recv_multipart``'s
-        per-frame option lookups; decode copies what it keeps out of them.
+        per-frame option lookups; parsing copies what it keeps out of them.
         """
         socket = self.socket
         if timeout_ms != self._rcvtimeo:

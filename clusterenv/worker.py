@@ -32,7 +32,7 @@ from clusterenv.batching import is_array_tree, leaf_arrays, unflatten
 from clusterenv.liveness import LEARNER_LOST_EXIT_CODE, Heartbeat, HeartbeatClient
 from clusterenv.protocol import Kind, Message
 from clusterenv.recording import RecordingVectorEnv, build, dumps, failing_env_index
-from clusterenv.transport import SECRET_ENV_VAR, Channel, new_identity, resolve_secret
+from clusterenv.transport import SECRET_ENV_VAR, Channel, Curve, new_identity, resolve_secret
 from clusterenv.worker_policy import RolloutAborted
 from clusterenv.worker_policy import install as install_policy_handlers
 from clusterenv.worker_procs import ENV_PROCESS_LOST_EXIT_CODE, ChildEnvError, EnvProcessLost, ProcVectorEnv
@@ -230,6 +230,7 @@ def serve(
     parent_pid: int | None = None,
     join_timeout: float | None = None,
     procs: int | None = None,
+    encrypt: bool = False,
 ) -> int:
     """Connect to the learner at ``address`` and serve commands until CLOSE or learner death.
 
@@ -240,6 +241,7 @@ def serve(
         parent_pid: exit when this process is gone (local workers).
         join_timeout: give up if the learner has not sent INIT within this many seconds.
         procs: env processes to step the slice with (``None``: the learner's ``procs_per_worker``).
+        encrypt: connect with CurveZMQ, as a learner with ``ClusterEnv(encrypt=True)`` expects.
 
     Returns:
         The exit status for the process: 0 after CLOSE, ``LEARNER_LOST_EXIT_CODE`` when the
@@ -248,7 +250,8 @@ def serve(
     """
     context = zmq.Context()
     identity = new_identity(worker_id)
-    channel = Channel.connect_dealer(context, address, key, identity)
+    curve = Curve.from_secret(key) if encrypt else None
+    channel = Channel.connect_dealer(context, address, key, identity, curve=curve)
     worker = Worker(-1 if worker_id is None else worker_id, procs)
     worker.mailbox = mailbox = Mailbox(channel, worker)
     install_policy_handlers(worker)  # the local-policy commands (SET_POLICY, SET_WEIGHTS, ROLLOUT)
@@ -275,8 +278,10 @@ def serve(
                 if "heartbeat" in msg.meta:
                     # Started before the envs are built: building them may take long.
                     config = Heartbeat(**msg.meta["heartbeat"])
-                    endpoint = msg.meta["heartbeat_endpoint"]
-                    heart = HeartbeatClient(context, address, endpoint, key, identity, config, parent_pid=parent_pid)
+                    endpoint, session = msg.meta["heartbeat_endpoint"], channel.heartbeat_session()
+                    heart = HeartbeatClient(
+                        context, address, endpoint, session, identity, config, parent_pid=parent_pid, curve=curve
+                    )
             if msg.kind is Kind.CLOSE:
                 worker.close()
                 channel.send(Kind.CLOSED)
@@ -323,6 +328,7 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="env processes that step this worker's envs (default: the learner's procs_per_worker)",
     )
+    parser.add_argument("--encrypt", action="store_true", help="for a learner with ClusterEnv(encrypt=True)")
     args = parser.parse_args(argv)
     if args.procs is not None and args.procs < 1:
         parser.error(f"argument --procs: must be at least 1, got {args.procs}")
@@ -331,6 +337,8 @@ def main(argv: list[str] | None = None) -> None:
     key = resolve_secret(None)
     if key is None:
         parser.exit(2, f"error: the shared secret must be set in ${SECRET_ENV_VAR}.\n")
+    # Env code (and any process it starts) must not read the secret: it signs commands to workers.
+    os.environ.pop(SECRET_ENV_VAR, None)
     # The learner decides when workers stop; Ctrl-C in the terminal reaches it, not us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     started = time.monotonic()
@@ -341,6 +349,7 @@ def main(argv: list[str] | None = None) -> None:
         parent_pid=args.parent_pid,
         join_timeout=args.join_timeout,
         procs=args.procs,
+        encrypt=args.encrypt,
     )
     logger.debug("Worker %s served for %.1f s.", name, time.monotonic() - started)
     # os._exit, not sys.exit: it skips interpreter teardown, which takes 1.5-5 s once a local

@@ -1,4 +1,4 @@
-"""Only peers holding the shared secret are heard; nothing else is unpickled, and nothing crashes."""
+"""Only peers holding the shared secret are heard, once; nothing else is unpickled, and nothing crashes."""
 
 from __future__ import annotations
 
@@ -6,8 +6,11 @@ import functools
 import logging
 import os
 import pickle
+import re
+import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import gymnasium as gym
@@ -18,9 +21,30 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from clusterenv import ClusterEnv, ProtocolError
-from clusterenv.protocol import MAX_HEADER_BYTES, PROTOCOL_VERSION, Kind, _mac, coalesce, decode, encode, split
-from clusterenv.transport import SECRET_ENV_VAR, Channel
+import clusterenv.protocol as protocol
+import clusterenv.transport as transport
+from clusterenv import AuthenticationError, ClusterEnv, ProtocolError, WorkerStartError
+from clusterenv.liveness import HEARTBEAT_MAX_BYTES, Heartbeat, HeartbeatMonitor
+from clusterenv.protocol import (
+    _TRAILER,
+    COALESCE_BYTES,
+    MAX_HEADER_BYTES,
+    NONCE_BYTES,
+    PROTOCOL_VERSION,
+    Kind,
+    _tag,
+    coalesce,
+    decode,
+    encode,
+    hello_session,
+    parse,
+    session_pair,
+    split,
+)
+from clusterenv.transport import _DROP_LOG_BURST, PRE_JOIN_BYTES, SECRET_ENV_VAR, Channel
+from tests.conftest import assert_same
+from tests.test_remote import SECRET as WORKER_SECRET  # what the `spawn` fixture gives its processes
+from tests.test_remote import free_address, spawn, worker_command  # noqa: F401 (spawn is a fixture)
 
 SECRET = "correct horse battery staple"
 WRONG = "incorrect horse battery staple"
@@ -40,11 +64,12 @@ class Marker:
 def attacks(marker: Path) -> list[list[bytes]]:
     """Frames a peer without the secret might send, each carrying the marker payload where it can."""
     payload = pickle.dumps(Marker(marker))
-    forged = encode(Kind.INIT, {"env_offset": 0}, blobs=[payload], key=WRONG.encode(), cover_arrays=True)
-    valid = coalesce(encode(Kind.RESULT, {"seq": 1}, blobs=[payload], key=SECRET.encode(), cover_arrays=True))
+    wrong, right = hello_session(WRONG.encode()).send_mac, hello_session(SECRET.encode()).send_mac
+    forged = encode(Kind.INIT, {"env_offset": 0}, blobs=[payload], mac=wrong, counter=1, cover_arrays=True)
+    valid = coalesce(encode(Kind.RESULT, {"seq": 1}, blobs=[payload], mac=right, counter=1, cover_arrays=True))
     return [
         coalesce(forged),  # wrong secret
-        forged[:-1] + [b""],  # no MAC
+        forged[:-1] + [b""],  # no trailer
         [payload],  # a bare pickle, as recv_pyobj would take it
         [valid[0][:-7]],  # truncated
         [valid[0][:5] + b"\xff" + valid[0][6:]],  # one byte changed
@@ -111,7 +136,7 @@ def test_worker_drops_unauthenticated_learner_messages(tmp_path):
     worker = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
     try:
         hello = learner.recv(30, routed=True)
-        assert hello is not None and hello[1].kind is Kind.HELLO  # the worker proves it holds the secret
+        assert hello is not None and hello[1].kind is Kind.HELLO  # the worker joined: it holds the secret
         identity = hello[0]
         for frames in attacks(marker):
             learner.socket.send_multipart([identity, *frames])
@@ -133,6 +158,7 @@ def test_worker_drops_unauthenticated_learner_messages(tmp_path):
 
 # -- the decoder, fuzzed ---------------------------------------------------------------------
 KEY = b"k" * 32
+MAC = hello_session(KEY).send_mac
 frames_strategy = st.lists(st.binary(max_size=96), min_size=0, max_size=6)
 msgpack_values = st.recursive(
     st.none()
@@ -156,6 +182,11 @@ def itemsize(name: str) -> int:
         return 1
 
 
+def signed(frames: list[bytes], n_arrays: int, counter: int = 1) -> list[bytes]:
+    """``frames`` with a valid trailer, as a holder of the key would send them."""
+    return [*frames, _TRAILER.pack(counter, n_arrays, _tag(MAC, counter, n_arrays, frames, True))]
+
+
 @st.composite
 def authenticated_messages(draw) -> list[bytes]:
     """Messages a key holder could send: mostly well-formed, with one part off in some way."""
@@ -173,12 +204,13 @@ def authenticated_messages(draw) -> list[bytes]:
     frames = [msgpack.packb(header), *(a for a in arrays), *(b"blob" for _ in range(n_blobs))]
     if draw(st.integers(0, 4)) == 0:
         frames = frames[:-1] if len(frames) > 1 and draw(st.booleans()) else [*frames, b"extra"]
-    return [*frames, _mac(KEY, frames)]
+    n_arrays = len(specs) + draw(st.sampled_from([0] * 8 + [-1, 1, 1 << 31]))
+    return signed(frames, max(0, min(n_arrays, 2**32 - 1)))
 
 
 def decode_or_protocol_error(frames):
     try:
-        return decode(split(frames), key=KEY, cover_arrays=True)
+        return decode(split(frames), mac=MAC, cover_arrays=True)
     except ProtocolError:
         return None
 
@@ -204,7 +236,7 @@ def test_fuzz_authenticated_messages_only_raise_protocol_error(frames, coalesced
 @given(st.data())
 def test_fuzz_tampered_messages_never_decode(data):
     array = np.arange(data.draw(st.integers(0, 40)), dtype=np.float32)
-    frames = encode(Kind.RESULT, {"seq": 3}, [array], [b"blob"], key=KEY, cover_arrays=True)
+    frames = encode(Kind.RESULT, {"seq": 3}, [array], [b"blob"], mac=MAC, counter=7, cover_arrays=True)
     wire = bytearray(coalesce(frames)[0])
     position = data.draw(st.integers(0, len(wire) - 1))
     if data.draw(st.booleans()):
@@ -212,3 +244,362 @@ def test_fuzz_tampered_messages_never_decode(data):
     else:
         del wire[position:]
     assert decode_or_protocol_error([bytes(wire)]) is None
+
+
+# -- the MAC before anything else ----------------------------------------------------------
+def test_the_mac_is_checked_before_msgpack_parses_anything(monkeypatch):
+    forged = encode(Kind.RESULT, {"seq": 1}, mac=hello_session(WRONG.encode()).send_mac, counter=1, cover_arrays=True)
+
+    def unpackb(*args, **kwargs):
+        raise AssertionError("msgpack parsed a header whose MAC was not checked")
+
+    monkeypatch.setattr(protocol.msgpack, "unpackb", unpackb)
+    with pytest.raises(AuthenticationError):
+        decode(forged, mac=MAC, cover_arrays=True)
+    with pytest.raises(AuthenticationError):
+        decode(split(coalesce(forged)), mac=MAC, cover_arrays=False)
+
+
+class HugeFrame:
+    """A frame whose length says too much; copying it would fail the test."""
+
+    def __len__(self) -> int:
+        return MAX_HEADER_BYTES + 1
+
+    def __bytes__(self) -> bytes:
+        raise AssertionError("the header was copied before its size was checked")
+
+
+def test_the_header_size_is_checked_before_it_is_copied():
+    with pytest.raises(ProtocolError, match=f"exceeds the {MAX_HEADER_BYTES}-byte limit"):
+        parse([HugeFrame(), b"trailer"], 0)
+
+
+def test_the_mac_covers_the_array_count_and_the_frame_lengths():
+    array, blob = np.arange(4, dtype=np.uint8), b"blob"
+    frames = encode(Kind.RESULT, {}, [array], [blob], mac=MAC, counter=1, cover_arrays=False)
+    counter, n_arrays, tag = _TRAILER.unpack(frames[-1])
+    as_blob = [frames[0], frames[1], frames[2], _TRAILER.pack(counter, 0, tag)]  # the array passed off as a blob
+    with pytest.raises(AuthenticationError):
+        decode(as_blob, mac=MAC, cover_arrays=False)
+    longer = [frames[0], np.arange(5, dtype=np.uint8), frames[2], frames[3]]  # uncovered, yet its length is
+    with pytest.raises(AuthenticationError):
+        decode(longer, mac=MAC, cover_arrays=False)
+
+
+# -- joining, keys and replays ---------------------------------------------------------------
+class Net:
+    """Sockets, channels and heartbeat monitors for one test, all closed when it ends (even when it fails)."""
+
+    def __init__(self) -> None:
+        self.context = zmq.Context()
+        self.opened: list = []
+
+    def learner(self) -> Channel:
+        channel = Channel.bind_router(self.context, "tcp://127.0.0.1:*", SECRET.encode())
+        self.opened.append(channel)
+        return channel
+
+    def worker(self, address: str, identity: bytes = b"worker-0-1234") -> Channel:
+        channel = Channel.connect_dealer(self.context, address, SECRET.encode(), identity)
+        self.opened.append(channel)
+        return channel
+
+    def raw(self, kind: int, identity: bytes | None = None) -> zmq.Socket:
+        socket = self.context.socket(kind)
+        socket.setsockopt(zmq.LINGER, 0)
+        if identity is not None:
+            socket.setsockopt(zmq.IDENTITY, identity)
+        self.opened.append(socket)
+        return socket
+
+    def monitor(self) -> HeartbeatMonitor:
+        monitor = HeartbeatMonitor(self.context, None, SECRET.encode(), Heartbeat(interval=0.05, liveness=4))
+        self.opened.append(monitor)
+        return monitor
+
+    def close(self) -> None:
+        for thing in reversed(self.opened):
+            thing.close()
+        self.context.term()
+
+
+@pytest.fixture
+def net():
+    net = Net()
+    yield net
+    net.close()
+
+
+def join(learner: Channel, worker: Channel, **hello) -> tuple[bytes | None, protocol.Message]:
+    """Run the three-message join between two in-process channels; returns what the learner's caller sees."""
+    worker.send(Kind.HELLO, hello)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        assert worker.recv(0.01, routed=False) is None  # WELCOME is answered inside the channel
+        received = learner.recv(0.01, routed=True)
+        if received is not None:
+            return received
+    raise AssertionError("the join did not complete within 30 s")
+
+
+def wire_kinds(socket: zmq.Socket, timeout: float) -> list[Kind]:
+    """The kinds of the messages waiting on a raw socket, read from their headers without checking anything."""
+    kinds = []
+    while socket.poll(int(timeout * 1000)):
+        frames = socket.recv_multipart()
+        kinds.append(Kind(msgpack.unpackb(bytes(split(frames)[0]))[1]))
+        timeout = 0.2
+    return kinds
+
+
+def test_the_learner_sees_a_worker_only_once_it_proved_its_keys(net):
+    learner = net.learner()
+    worker = net.worker(learner.endpoint)
+    sender, hello = join(learner, worker, worker_id=0, host="h")
+    assert sender == b"worker-0-1234" and hello.kind is Kind.HELLO and hello.meta == {"worker_id": 0, "host": "h"}
+    learner.send(Kind.CALL, {"seq": 1}, to=sender)
+    received = worker.recv(10, routed=False)
+    assert received is not None and received[1].kind is Kind.CALL
+    worker.send(Kind.VALUE, {"seq": 1})
+    received = learner.recv(10, routed=True)
+    assert received is not None and received[1].kind is Kind.VALUE
+    assert learner.heartbeat_session(sender).send_mac.digest() != worker.heartbeat_session().send_mac.digest()
+
+
+def test_a_replayed_hello_does_not_join(net):
+    """Captured traffic replayed to a learner with the same secret: the HELLO earns only a WELCOME."""
+    sniffer = net.raw(zmq.ROUTER)
+    port = sniffer.bind_to_random_port("tcp://127.0.0.1")
+    worker = net.worker(f"tcp://127.0.0.1:{port}")
+    worker.send(Kind.HELLO, {"worker_id": 0, "pid": 1, "host": "h"})
+    captured = sniffer.recv_multipart()[1:]  # the HELLO as it crossed the network
+
+    address = free_address()
+    replayer = net.raw(zmq.DEALER, b"worker-0-1234")
+    replayer.connect(address)  # ZeroMQ delivers the HELLO once the learner binds
+    replayer.send_multipart(captured)
+    expected = "0 of 1 workers joined"
+    with pytest.raises(WorkerStartError, match=expected):
+        ClusterEnv(ENV_FNS, num_workers=1, bind=address, secret=SECRET, launcher="external", start_timeout=3)
+    assert wire_kinds(replayer, 1) == [Kind.WELCOME]  # no INIT: no env factories, no seat taken
+
+
+def test_replayed_and_reordered_messages_are_dropped(net, caplog):
+    learner = net.learner()
+    worker = net.worker(learner.endpoint)
+    join(learner, worker)
+    session = worker.sessions[None]
+
+    def frames(counter: int) -> list:
+        return encode(Kind.VALUE, {"seq": counter}, mac=session.send_mac, counter=counter, cover_arrays=True)
+
+    base = session.sent
+    for counter in [base + 1, base + 1, base + 3, base + 2, base + 4]:  # a replay, then a reordering
+        worker.socket.send_multipart(frames(counter))
+    seen = []
+    with caplog.at_level(logging.WARNING, logger="clusterenv.transport"):
+        while (received := learner.recv(2, routed=True)) is not None:
+            seen.append(received[1].meta["seq"])
+    assert seen == [base + 1, base + 3, base + 4]
+    reasons = [r.getMessage() for r in caplog.records]
+    assert len(reasons) == 2 and all("a replayed or reordered message" in r for r in reasons), reasons
+
+
+def test_keys_belong_to_one_connection_and_one_direction():
+    nonces = [os.urandom(NONCE_BYTES) for _ in range(3)]
+    learner, worker = session_pair(SECRET.encode(), nonces[0], nonces[1], b"w")
+    other, _ = session_pair(SECRET.encode(), nonces[0], nonces[2], b"w")
+    renamed, _ = session_pair(SECRET.encode(), nonces[0], nonces[1], b"v")
+    sent = encode(Kind.STEP, {"seq": 1}, mac=learner.send_mac, counter=1, cover_arrays=True)
+    assert decode(sent, mac=worker.recv_mac, cover_arrays=True).kind is Kind.STEP
+    for wrong in [learner.recv_mac, other.recv_mac, renamed.recv_mac, worker.heartbeat.recv_mac]:  # type: ignore[union-attr]
+        with pytest.raises(AuthenticationError):
+            decode(sent, mac=wrong, cover_arrays=True)  # reflected, another join, another worker, heartbeats
+
+
+def watched_beat(net: Net) -> tuple[HeartbeatMonitor, zmq.Socket, object]:
+    """A monitor watching worker 0, a raw socket with its identity, and that worker's heartbeat send MAC."""
+    monitor = net.monitor()
+    learner, worker = session_pair(SECRET.encode(), os.urandom(NONCE_BYTES), os.urandom(NONCE_BYTES), b"w")
+    assert learner.heartbeat is not None and worker.heartbeat is not None
+    monitor.watch(0, b"w", learner.heartbeat)
+    beat = net.raw(zmq.DEALER, b"w")
+    beat.connect(monitor.endpoint)
+    return monitor, beat, worker.heartbeat.send_mac
+
+
+def test_replayed_heartbeats_do_not_keep_a_worker_alive(net):
+    monitor, beat, mac = watched_beat(net)
+    captured = encode(Kind.HEARTBEAT, mac=mac, counter=1, cover_arrays=False)
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:  # one real beat, then the same beat over and over
+        beat.send_multipart(captured)
+        time.sleep(0.02)
+    assert 0 in monitor.expired(), "a replayed heartbeat counted"
+    beat.send_multipart(encode(Kind.HEARTBEAT, mac=mac, counter=2, cover_arrays=False))
+    assert wait_for(lambda: 0 not in monitor.expired(), 10), "a fresh heartbeat did not count"
+
+
+def wait_for(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+# -- bounds before joining -------------------------------------------------------------------
+def test_peers_that_have_not_joined_may_send_only_small_messages(net, monkeypatch, caplog):
+    learner = net.learner()
+    rogue = net.raw(zmq.DEALER)
+    rogue.connect(learner.endpoint)
+    mac = hello_session(SECRET.encode()).send_mac
+    padded = encode(
+        Kind.HELLO, {"nonce": b"n" * NONCE_BYTES, "pad": "x" * PRE_JOIN_BYTES}, mac=mac, counter=1, cover_arrays=True
+    )
+    rogue.send_multipart(padded)
+
+    def verify(*args, **kwargs):
+        raise AssertionError("an oversized message from a peer that has not joined was authenticated")
+
+    with monkeypatch.context() as patch, caplog.at_level(logging.WARNING, logger="clusterenv.transport"):
+        patch.setattr(transport, "verify", verify)
+        assert learner.recv(2, routed=True) is None
+    assert f"exceeds the {PRE_JOIN_BYTES}-byte limit for a peer that has not joined" in caplog.text
+    # A HELLO of the usual size from the same peer is answered.
+    rogue.send_multipart(encode(Kind.HELLO, {"nonce": b"n" * NONCE_BYTES}, mac=mac, counter=1, cover_arrays=True))
+    assert learner.recv(1, routed=True) is None
+    assert wire_kinds(rogue, 5) == [Kind.WELCOME]
+
+
+def test_dropped_message_warnings_are_rate_limited(net, caplog):
+    learner = net.learner()
+    rogue = net.raw(zmq.DEALER)
+    rogue.connect(learner.endpoint)
+    with caplog.at_level(logging.WARNING, logger="clusterenv.transport"):
+        for _ in range(3 * _DROP_LOG_BURST):
+            rogue.send(b"garbage")
+        while learner.recv(1, routed=True) is not None:
+            pass
+        assert len(caplog.records) == _DROP_LOG_BURST
+        learner._drop_log.window_end = 0.0  # the window is over
+        rogue.send(b"garbage")
+        assert learner.recv(1, routed=True) is None
+    summary = f"Dropped {2 * _DROP_LOG_BURST} more messages in the last"
+    assert caplog.records[-2].getMessage().startswith(summary)
+    assert caplog.records[-1].getMessage().startswith("Dropped a message from ")
+
+
+def test_the_heartbeat_socket_refuses_large_messages_before_reading_them(net, caplog):
+    monitor, beat, mac = watched_beat(net)
+    with caplog.at_level(logging.WARNING, logger="clusterenv.transport"):
+        beat.send(b"\0" * (HEARTBEAT_MAX_BYTES + 1))  # ZeroMQ closes the connection; the socket reconnects
+        time.sleep(0.5)
+        beat.send_multipart(encode(Kind.HEARTBEAT, mac=mac, counter=1, cover_arrays=False))
+        assert wait_for(lambda: (monitor.silence(0) or 1.0) < 0.1, 10)
+    assert "Dropped" not in caplog.text  # never delivered to the monitor: ZeroMQ refused it
+
+
+# -- the secret stays out of env code --------------------------------------------------------
+class SecretProbe(gym.Wrapper):
+    """CartPole that remembers what its process's environment says about the secret."""
+
+    def __init__(self) -> None:
+        super().__init__(gym.make("CartPole-v1"))
+        self.seen = os.environ.get(SECRET_ENV_VAR)
+
+
+def test_env_code_cannot_read_the_secret_from_its_environment(spawn):  # noqa: F811
+    with ClusterEnv([SecretProbe] * 2, num_workers=1) as envs:
+        assert envs.get_attr("seen") == (None, None)
+    address = free_address()
+    spawn(worker_command(address))
+    with ClusterEnv([SecretProbe] * 2, num_workers=1, bind=address, secret=WORKER_SECRET, launcher="external") as envs:
+        assert envs.get_attr("seen") == (None, None)
+
+
+# -- encryption (CurveZMQ) -------------------------------------------------------------------
+FAST = Heartbeat(interval=0.05, liveness=4)
+
+
+def test_encrypted_runs_are_exact_and_keep_beating():
+    reference = gym.vector.SyncVectorEnv(ENV_FNS)
+    with ClusterEnv(
+        ENV_FNS, num_workers=2, bind="tcp://127.0.0.1:*", secret=SECRET, encrypt=True, heartbeat=FAST
+    ) as envs:
+        assert_same(envs.reset(seed=3), reference.reset(seed=3))
+        deadline = time.monotonic() + 1.0  # five heartbeat expiries: heartbeats work encrypted too
+        while time.monotonic() < deadline:
+            actions = reference.action_space.sample()
+            assert_same(envs.step(actions), reference.step(actions))
+            time.sleep(0.01)
+    reference.close()
+
+
+def test_external_workers_must_encrypt_when_the_learner_does(spawn):  # noqa: F811
+    address = free_address()
+    spawn(worker_command(address))  # without --encrypt: its handshake fails, it never joins
+    with pytest.raises(WorkerStartError, match=re.escape("clusterenv-worker --connect") + ".* --encrypt"):
+        ClusterEnv(
+            ENV_FNS,
+            num_workers=1,
+            bind=address,
+            secret=WORKER_SECRET,
+            launcher="external",
+            encrypt=True,
+            start_timeout=2,
+        )
+    address = free_address()
+    spawn(worker_command(address, "--encrypt"))
+    with ClusterEnv(
+        ENV_FNS, num_workers=1, bind=address, secret=WORKER_SECRET, launcher="external", encrypt=True
+    ) as envs:
+        envs.reset(seed=0)
+
+
+FLOOD = """
+import sys, time, zmq
+from clusterenv.transport import Curve
+context = zmq.Context()
+for curve in [None, Curve.from_secret(b"incorrect horse battery staple")]:
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 1000)
+    if curve is not None:
+        curve.connect(socket)
+    socket.connect(sys.argv[1])
+    for _ in range(2):
+        socket.send(b"\\0" * (int(sys.argv[2]) << 20))
+time.sleep(3)
+"""
+
+
+def resident_mib() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+
+
+@pytest.mark.parametrize("encrypt", [False, True], ids=["plain", "encrypted"])
+def test_with_encryption_peers_without_the_secret_cannot_make_the_learner_hold_memory(encrypt):
+    """Four 32 MiB messages, sent while the learner does not read: ZeroMQ holds them, unless encrypted."""
+    with ClusterEnv(ENV_FNS, num_workers=1, bind="tcp://127.0.0.1:*", secret=SECRET, encrypt=encrypt) as envs:
+        envs.reset(seed=0)
+        before = resident_mib()
+        flood = subprocess.run([sys.executable, "-c", FLOOD, envs.address, "32"], timeout=60, check=True)
+        grew = resident_mib() - before
+        envs.step(np.array([0, 1]))  # reads and drops what was held
+    assert flood.returncode == 0
+    if encrypt:
+        assert grew < 16, f"the learner holds {grew:.0f} MiB sent by peers without the secret"
+    else:  # the control: what the test measures does happen without encryption
+        assert grew > 48, grew
+
+
+def test_a_forged_frame_table_is_rejected_before_it_is_read():
+    huge = struct.pack("<I", 1 << 20) + bytes(4 << 20)  # a million frames announced: the table fits
+    with pytest.raises(ProtocolError, match="announces 1048576 frames"):
+        split([huge])
+    padded = struct.pack("<3I", 2, 0, 0) + bytes(COALESCE_BYTES + 1)
+    with pytest.raises(ProtocolError, match="larger than any coalesced message"):
+        split([padded])
