@@ -15,6 +15,7 @@ import secrets
 import shutil
 import time
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -94,10 +95,21 @@ class Channel:
     _remove_tmpdir: weakref.finalize | None = field(default=None, repr=False)
     # The receive timeout currently set on the socket (ms, -1 = forever), to set it only when it changes.
     _rcvtimeo: int | None = field(default=None, repr=False)
+    #: Whether :meth:`recv` on a ROUTER records :attr:`source_fd` (off: it costs a call per message).
+    track_source: bool = field(default=False, repr=False)
+    #: The file descriptor of the connection the last routed message came from, as monitor events name it.
+    source_fd: int | None = field(default=None, repr=False)
+    #: Where the socket's connection events are reported (``zmq.utils.monitor``), if asked for; closed with it.
+    monitor: zmq.Socket | None = field(default=None, repr=False)
 
     @classmethod
-    def bind_router(cls, context: zmq.Context, address: str | None, key: bytes) -> Channel:
-        """Bind the learner's ROUTER; ``address=None`` means a fresh private ``ipc://`` path."""
+    def bind_router(
+        cls, context: zmq.Context, address: str | None, key: bytes, *, options: Mapping[int, int] | None = None
+    ) -> Channel:
+        """Bind the learner's ROUTER; ``address=None`` means a fresh private ``ipc://`` path.
+
+        ``options`` are further socket options, set before binding: connections take them from the listener.
+        """
         tmpdir = None
         if address is None:
             tmpdir = scratch_dir()  # mode 0700: only this user can connect
@@ -106,6 +118,8 @@ class Channel:
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        for option, value in (options or {}).items():
+            socket.setsockopt(option, value)
         try:
             socket.bind(address)
         except zmq.ZMQError as exc:
@@ -120,14 +134,30 @@ class Channel:
         return channel
 
     @classmethod
-    def connect_dealer(cls, context: zmq.Context, address: str, key: bytes, identity: bytes) -> Channel:
-        """Connect a worker's DEALER to the learner."""
+    def connect_dealer(
+        cls,
+        context: zmq.Context,
+        address: str,
+        key: bytes,
+        identity: bytes,
+        *,
+        options: Mapping[int, int] | None = None,
+        monitor: int = 0,
+    ) -> Channel:
+        """Connect a worker's DEALER to the learner.
+
+        ``options`` are further socket options; ``monitor`` the ``zmq.EVENT_*`` flags to report on
+        :attr:`monitor`. Both are set before connecting, so that no event of the connection is missed.
+        """
         socket = context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.IDENTITY, identity)
         socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        for option, value in (options or {}).items():
+            socket.setsockopt(option, value)
+        events = socket.get_monitor_socket(monitor) if monitor else None
         socket.connect(address)
-        return cls(socket, key, cover_arrays=not address.startswith("ipc://"))
+        return cls(socket, key, cover_arrays=not address.startswith("ipc://"), monitor=events)
 
     @property
     def endpoint(self) -> str:
@@ -183,6 +213,8 @@ class Channel:
                 return None
             sender = None
             if routed:
+                if self.track_source:
+                    self.source_fd = frames[0].get(zmq.SRCFD)
                 sender, frames = frames[0].bytes, frames[1:]
             try:
                 return sender, decode(split(frames), key=self.key, cover_arrays=self.cover_arrays)
@@ -214,6 +246,9 @@ class Channel:
 
     def close(self, linger: int = 0) -> None:
         """Close the socket (keeping unsent messages up to ``linger`` ms) and remove the private ipc directory."""
+        if self.monitor is not None:
+            self.socket.disable_monitor()
+            self.monitor.close(linger=0)
         self.socket.close(linger=linger)
         if self._remove_tmpdir is not None:
             self._remove_tmpdir()
