@@ -127,7 +127,8 @@ class ClusterEnv(VectorEnv):
             on_worker_failure: ``"raise"`` a ``WorkerLostError``, or ``"restart"`` the worker: its envs
                 are rebuilt and report the interrupted episode as truncated, with
                 ``infos["worker_restarted"]`` set (exact semantics in docs/cluster.md).
-            heartbeat: heartbeat constants; a worker silent for ``interval * liveness`` seconds is lost.
+            heartbeat: heartbeat constants; a worker whose heartbeat connection carried nothing for
+                ``interval * liveness`` seconds (dead or frozen, not busy) is lost.
             batch_size: how many envs :meth:`recv` returns (default ``num_envs``): those of the
                 ``batch_size // envs_per_worker`` workers that are ready first. Needs equal slices
                 (``num_envs`` a multiple of ``num_workers``) and a multiple of the envs per worker.

@@ -1,31 +1,37 @@
-"""Heartbeats between the learner and its workers (the zguide's Paranoid Pirate pattern).
+"""Liveness of the learner and its workers: busy is not dead.
 
-Each side runs one daemon thread with its own socket, on a second endpoint next to the
-learner's command socket. The threads exchange ``HEARTBEAT`` messages every
-``interval`` seconds, independent of the main loops, so a learner busy in a gradient
-step or a worker inside a long env step still beats. A peer that has not been heard
-from for ``interval * liveness`` seconds has expired:
+Each worker opens a second connection to the learner, next to its command connection,
+used for nothing but liveness, so that large messages on the command connection never
+delay it. On it, **libzmq's own heartbeats** (ZMTP PING/PONG, the ``HEARTBEAT_*`` socket
+options) run both ways every ``interval`` seconds. libzmq's I/O threads answer them
+without the GIL, so a process whose Python threads are starved (env code or learner code
+in a long C call that holds the GIL) still answers, while a dead one closes its end and a
+frozen (``SIGSTOP``) one stops answering: libzmq then drops the connection after
+``interval * liveness`` seconds without traffic, and a socket monitor reports it.
 
-* the learner's :class:`HeartbeatMonitor` reports the worker in :meth:`~HeartbeatMonitor.expired`,
-  which ``ClusterEnv`` checks while waiting for replies, so a dead, frozen (``SIGSTOP``)
-  or partitioned worker is found even where no process exit status exists (remote hosts);
-* a worker's :class:`HeartbeatClient` is also its watchdog. A learner that is known to
-  be dead (a local worker's parent process is gone: at once; the learner's end of the
-  connection closed, as when its process died: after ``interval * liveness``) is lost.
-  One that is silent but still connected (a partition, or a learner whose heartbeat
-  thread is starved of the GIL) gets reconnects with exponential backoff, as ppworker
-  does, and is lost after ``max_reconnects`` silent attempts. The worker's serve loop
-  then exits; if its main thread is stuck in env code, the watchdog ends the process
-  and the env processes below it, without waiting for that thread.
+* The learner's :class:`HeartbeatMonitor` declares a worker lost when its liveness
+  connection dropped (dead, frozen, or partitioned), not when its application heartbeats
+  are merely late. Those (one ``HEARTBEAT`` message every ``interval`` from the worker's
+  thread) say which connection is whose, and bound how long a worker may stay busy
+  (``Heartbeat.busy_timeout``). ``ClusterEnv`` checks :meth:`~HeartbeatMonitor.expired`
+  while waiting for replies; local workers are also watched through their exit status.
+* A worker's :class:`HeartbeatClient` is also its watchdog. A learner that is known to be
+  dead (a local worker's parent process is gone: at once; the connection dropped and the
+  learner's end refuses reconnects, as when its process died: after ``interval * liveness``)
+  is lost. One whose connection stays down without refusing (frozen, partitioned) gets
+  reconnects with exponential backoff, as ppworker does, and is lost after ``max_reconnects``
+  of them fail. A learner that is only busy keeps its connection, and its workers. The
+  worker's serve loop then exits; if its main thread is stuck in env code, the watchdog
+  ends the process and the env processes below it, without waiting for that thread.
 
-ZeroMQ sockets are not thread-safe, so each thread creates, uses and closes its socket
-itself; only the (thread-safe) context is shared.
-
-Heartbeats are authenticated like commands: each worker's heartbeat connection has its
-own keys and counters, agreed when the worker joined the command socket (nobody joins
+Heartbeat messages are authenticated like commands: each worker's heartbeat connection has
+its own keys and counters, agreed when the worker joined the command socket (nobody joins
 the heartbeat socket itself), so a captured heartbeat cannot be replayed to keep a dead
-worker or learner looking alive. Heartbeats are tiny, so both ends refuse (in ZeroMQ,
-before any copy) messages above :data:`HEARTBEAT_MAX_BYTES`.
+worker looking alive. Heartbeats are tiny, so both ends refuse (in ZeroMQ, before any copy)
+messages above :data:`HEARTBEAT_MAX_BYTES`.
+
+ZeroMQ sockets are not thread-safe, so each socket is used by one thread at a time: the
+heartbeat threads own theirs (a worker's first one is handed over at thread start).
 """
 
 from __future__ import annotations
@@ -43,7 +49,6 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from clusterenv.cleanup import kill_descendants
-from clusterenv.errors import ProtocolError
 from clusterenv.protocol import Kind, Session
 from clusterenv.transport import Channel, Curve
 
@@ -60,10 +65,16 @@ logger = logging.getLogger(__name__)
 
 # Exit code of a worker that ended itself because its learner stopped answering.
 LEARNER_LOST_EXIT_CODE = 3
-# What a worker's heartbeat socket monitor reports: a connection made, lost, or failing to be made.
-_CONNECTION_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
 #: The largest message either end of a heartbeat connection accepts (a heartbeat is ~60 bytes).
 HEARTBEAT_MAX_BYTES = 1024
+# What the learner's monitor reports: a worker's connection made or dropped (the value is its fd).
+_LEARNER_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+# What a worker's monitor reports: its connection up (ZMTP handshake done), dropped, or refused.
+_WORKER_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED
+)
+# libzmq takes milliseconds as a C int, and HEARTBEAT_TTL at most 6553.5 s (deciseconds in 16 bits).
+_MAX_MS, _MAX_TTL_MS = 2**31 - 1, 6_553_500
 
 
 @dataclass(frozen=True)
@@ -72,15 +83,20 @@ class Heartbeat:
 
     Attributes:
         interval: seconds between heartbeats, each way.
-        liveness: heartbeats a peer may miss before it is considered gone; a worker is
-            declared lost after ``interval * liveness`` seconds of silence.
-        reconnect_initial: a worker's first reconnect delay after the learner went silent.
+        liveness: heartbeats a peer may miss before it is considered gone: a connection
+            that carried nothing for ``interval * liveness`` seconds is dropped, and a
+            worker whose connection dropped is lost.
+        reconnect_initial: a worker's first reconnect delay after its connection to the learner went down.
         reconnect_max: cap of the exponentially growing reconnect delay.
-        max_reconnects: silent reconnects after which a worker gives up on a learner that
-            stays connected but silent. A worker outlives a learner whose process died by
-            ``interval * liveness`` (a local worker: by a fraction of a second), and one
-            that is unreachable by about ``(1 + max_reconnects) * interval * liveness``
-            plus the backoff delays; its main thread, if stuck in env code, gets ~1 s more.
+        max_reconnects: failed reconnects after which a worker gives up on a learner that does
+            not answer but does not refuse either (frozen, unreachable). A worker outlives a
+            learner whose process died by ``interval * liveness`` (a local worker: by a fraction
+            of a second), and one that is frozen or unreachable by about
+            ``(2 + max_reconnects) * interval * liveness`` plus the backoff delays; its main
+            thread, if stuck in env code, gets ~1 s more.
+        busy_timeout: seconds a worker whose connection is alive may send no heartbeat of its
+            own before it is declared lost anyway (its heartbeat thread starved of the GIL: a
+            C call that never returns?); ``None``: never. Never less than ``interval * liveness``.
     """
 
     interval: float = 1.0
@@ -88,12 +104,16 @@ class Heartbeat:
     reconnect_initial: float = 1.0
     reconnect_max: float = 8.0
     max_reconnects: int = 3
+    busy_timeout: float | None = 300.0
 
     def __post_init__(self) -> None:
-        for name in ("interval", "reconnect_initial", "reconnect_max"):
+        for name in ("interval", "reconnect_initial", "reconnect_max", "busy_timeout"):
             value = getattr(self, name)
+            if value is None and name == "busy_timeout":
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"`Heartbeat.{name}` must be a positive number of seconds, got {value!r}.")
+                what = "a positive number of seconds" + (" or None" if name == "busy_timeout" else "")
+                raise ValueError(f"`Heartbeat.{name}` must be {what}, got {value!r}.")
         for name in ("liveness", "max_reconnects"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "liveness" else 0):
@@ -102,12 +122,27 @@ class Heartbeat:
 
     @property
     def expiry(self) -> float:
-        """Seconds of silence after which a peer has expired."""
+        """Seconds without traffic after which a connection, and so its peer, has expired."""
         return self.interval * self.liveness
 
     def to_meta(self) -> dict[str, Any]:
         """The block as a plain map, to send to workers."""
         return asdict(self)
+
+    def zmtp_options(self) -> dict[int, int]:
+        """Socket options for libzmq's own heartbeats, set on both ends of a liveness connection.
+
+        A PING every ``interval``; the connection is dropped after ``expiry`` without any
+        reply (``HEARTBEAT_TIMEOUT``), and by the peer after ``expiry`` without any PING
+        (``HEARTBEAT_TTL``, which libzmq ignores below 0.1 s).
+        """
+        interval_ms = min(_MAX_MS, max(1, round(self.interval * 1000)))
+        expiry_ms = min(_MAX_MS, max(1, round(self.expiry * 1000)))
+        return {
+            zmq.HEARTBEAT_IVL: interval_ms,
+            zmq.HEARTBEAT_TIMEOUT: expiry_ms,
+            zmq.HEARTBEAT_TTL: min(_MAX_TTL_MS, expiry_ms),
+        }
 
 
 def heartbeat_address(command_address: str | None) -> str | None:
@@ -138,8 +173,24 @@ def _connect_address(learner_address: str, heartbeat_endpoint: str) -> str:
     return f"tcp://{host}:{port}"
 
 
+def _events(monitor: zmq.Socket, timeout: float = 0.0) -> list[tuple[int, int]]:
+    """The ``(event, value)`` pairs the monitor has reported, waiting up to ``timeout`` seconds for the first."""
+    if timeout > 0:
+        monitor.poll(int(timeout * 1000))
+    events: list[tuple[int, int]] = []
+    while True:
+        try:
+            message = recv_monitor_message(monitor, zmq.NOBLOCK)
+        except zmq.Again:
+            return events
+        events.append((int(message["event"]), int(message["value"])))
+
+
 class HeartbeatMonitor:
-    """The learner's heartbeat thread: answers every watched worker and tracks when it was last heard.
+    """The learner's heartbeat thread: tells each watched worker's connection apart, and notices it drop.
+
+    A worker's first heartbeat names the connection it came on (its file descriptor, as the
+    socket monitor names connections); a dropped connection is a lost worker.
 
     Args:
         context: the learner's ZeroMQ context.
@@ -158,7 +209,10 @@ class HeartbeatMonitor:
         self._watched: dict[bytes, int] = {}
         # Per watched identity, its heartbeat keys; read by the thread's channel (dict operations are atomic).
         self._sessions: dict[bytes | None, Session] = {}
-        self._last_heard: dict[int, float] = {}
+        self._last_heard: dict[int, float] = {}  # the last heartbeat, or when watching began
+        self._fds: dict[int, int] = {}  # worker -> its connection, once a heartbeat named it
+        self._dropped: dict[int, float] = {}  # worker -> how long it had been silent when its connection dropped
+        self._closed_fds: set[int] = set()  # descriptors whose connection dropped and were not reused since
         self._tick = time.monotonic()
         self._stop = threading.Event()
         self._bound = threading.Event()
@@ -177,10 +231,7 @@ class HeartbeatMonitor:
         ``session``: the heartbeat keys agreed when that worker joined the command socket.
         """
         with self._lock:
-            for old, w in list(self._watched.items()):
-                if w == worker_id:
-                    del self._watched[old]
-                    self._sessions.pop(old, None)
+            self._forget(worker_id)
             self._sessions[identity] = session
             self._watched[identity] = worker_id
             self._last_heard[worker_id] = time.monotonic()
@@ -188,27 +239,65 @@ class HeartbeatMonitor:
     def forget(self, worker_id: int) -> None:
         """Stop tracking worker ``worker_id``."""
         with self._lock:
-            for ident in [ident for ident, w in self._watched.items() if w == worker_id]:
-                self._sessions.pop(ident, None)
-            self._watched = {ident: w for ident, w in self._watched.items() if w != worker_id}
-            self._last_heard.pop(worker_id, None)
+            self._forget(worker_id)
+
+    def _forget(self, worker_id: int) -> None:
+        for ident in [ident for ident, w in self._watched.items() if w == worker_id]:
+            self._sessions.pop(ident, None)
+        self._watched = {ident: w for ident, w in self._watched.items() if w != worker_id}
+        for table in (self._last_heard, self._fds, self._dropped):
+            table.pop(worker_id, None)
+
+    def expired(self) -> set[int]:
+        """Watched workers that are lost.
+
+        A worker is lost when its connection dropped, when it did not say which connection is
+        its own within ``interval * liveness``, or when it has been silent for ``busy_timeout``.
+        Silence is measured up to the monitor thread's last pass over its socket, not up to now:
+        if the main thread held the GIL for long (a C extension that never releases it),
+        heartbeats may be waiting unread, and the workers that sent them must not be declared lost.
+        """
+        with self._lock:
+            lost = set(self._dropped)
+            for w, last in self._last_heard.items():
+                limit = self._silence_limit(w)
+                if limit is not None and last < self._tick - limit:
+                    lost.add(w)
+            return lost
+
+    def _silence_limit(self, worker_id: int) -> float | None:
+        """How long worker ``worker_id`` may be silent: the expiry until its connection is known, then ``busy_timeout``."""
+        config = self.config
+        if worker_id not in self._fds:
+            return config.expiry
+        return None if config.busy_timeout is None else max(config.busy_timeout, config.expiry)
 
     def silence(self, worker_id: int) -> float | None:
-        """Seconds since worker ``worker_id`` was last heard from, or ``None`` if it is not watched."""
+        """Seconds since worker ``worker_id``'s last heartbeat (or since watching began); ``None`` if not watched."""
         with self._lock:
             last = self._last_heard.get(worker_id)
         return None if last is None else time.monotonic() - last
 
-    def expired(self) -> set[int]:
-        """Watched workers silent for longer than ``interval * liveness``.
-
-        Measured up to the monitor thread's last pass over its socket, not up to now: if the
-        main thread held the GIL for long (a C extension that never releases it), heartbeats
-        may be waiting unread, and the workers that sent them must not be declared lost.
-        """
+    def reason(self, worker_id: int) -> str | None:
+        """Why worker ``worker_id`` is in :meth:`expired`, for an error message (``None``: it is not)."""
+        config = self.config
+        settings = f"interval={config.interval} s, liveness={config.liveness}"
         with self._lock:
-            limit = self._tick - self.config.expiry
-            return {w for w, last in self._last_heard.items() if last < limit}
+            if worker_id in self._dropped:
+                silent = self._dropped[worker_id]
+                return (
+                    f"stopped answering heartbeats (its connection dropped after {silent:.1f} s of silence; {settings})"
+                )
+            last, limit = self._last_heard.get(worker_id), self._silence_limit(worker_id)
+            if last is None or limit is None or last >= self._tick - limit:
+                return None
+            silent = time.monotonic() - last
+            if worker_id not in self._fds:
+                return f"stopped answering heartbeats ({silent:.1f} s silent; {settings})"
+            return (
+                f"sent no heartbeat for {silent:.1f} s although its connection is alive: busy for longer than "
+                f"busy_timeout={config.busy_timeout} s (env code holding the GIL?)"
+            )
 
     def close(self) -> None:
         """Stop the thread and close its socket (before the context is terminated)."""
@@ -225,42 +314,60 @@ class HeartbeatMonitor:
                 sessions=self._sessions,
                 max_message_bytes=HEARTBEAT_MAX_BYTES,
                 curve=self._curve,
+                options=self.config.zmtp_options(),
             )
         except BaseException as exc:
             self._bind_error = exc
             self._bound.set()
             return
-        # A frozen peer stops reading: once its queue is full a send would block this thread for good.
-        channel.socket.setsockopt(zmq.SNDTIMEO, 0)
+        # Before any worker connects: a worker connects once it has its INIT.
+        monitor = channel.monitor = channel.socket.get_monitor_socket(_LEARNER_EVENTS)
+        channel.track_source = True
         self.endpoint = channel.endpoint
         self._bound.set()
-        interval = self.config.interval
-        next_beat = time.monotonic()
         try:
             while not self._stop.is_set():
-                now = time.monotonic()
-                if now >= next_beat:
-                    with self._lock:
-                        identities = list(self._watched)
-                    for identity in identities:
-                        try:
-                            channel.send(Kind.HEARTBEAT, to=identity)
-                        except (zmq.ZMQError, ProtocolError):
-                            pass  # not connected (yet, or any more), or just forgotten: its silence expires it
-                    next_beat = now + interval
-                # Short polls so that close() never waits a whole interval.
-                received = channel.recv(min(0.1, max(0.0, next_beat - time.monotonic())), routed=True)
+                # Short waits so that close() never waits long.
+                received = channel.recv(0.1, routed=True)
                 while received is not None:
+                    # Events first: libzmq reported this message's connection, and the drop of any
+                    # earlier one that had the same descriptor, before the message arrived.
+                    self._apply(_events(monitor))
                     sender, msg = received
-                    with self._lock:
-                        worker_id = self._watched.get(sender or b"")
-                        if msg.kind is Kind.HEARTBEAT and worker_id is not None:
-                            self._last_heard[worker_id] = time.monotonic()
+                    if msg.kind is Kind.HEARTBEAT and sender is not None and channel.source_fd is not None:
+                        self._heard(sender, channel.source_fd)
                     received = channel.recv(0, routed=True)
+                self._apply(_events(monitor))
                 with self._lock:
                     self._tick = time.monotonic()  # everything that arrived before now has been read
         finally:
             channel.close()
+
+    def _heard(self, identity: bytes, fd: int) -> None:
+        with self._lock:
+            worker_id = self._watched.get(identity)
+            if worker_id is None:
+                return
+            now = time.monotonic()
+            if worker_id not in self._fds and worker_id not in self._dropped:
+                if fd in self._closed_fds:  # its connection dropped before this, its first heartbeat, was read
+                    self._dropped[worker_id] = now - self._last_heard[worker_id]
+                else:
+                    self._fds[worker_id] = fd
+            self._last_heard[worker_id] = now
+
+    def _apply(self, events: list[tuple[int, int]]) -> None:
+        if not events:
+            return
+        with self._lock:
+            for event, fd in events:
+                if event == zmq.EVENT_ACCEPTED:
+                    self._closed_fds.discard(fd)
+                    continue
+                self._closed_fds.add(fd)
+                for worker_id in [w for w, known in self._fds.items() if known == fd]:
+                    del self._fds[worker_id]
+                    self._dropped[worker_id] = time.monotonic() - self._last_heard[worker_id]
 
 
 class HeartbeatClient:
@@ -300,7 +407,14 @@ class HeartbeatClient:
         self._exit_grace = exit_grace
         self.learner_lost = threading.Event()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="clusterenv-heartbeat", daemon=True)
+        # Connected, and the first heartbeat queued, in the caller's thread: libzmq delivers it
+        # without the GIL, so the learner knows this worker's connection even if env code starves
+        # the thread from its start. The thread takes the socket over.
+        channel, link = self._connect()
+        channel.send(Kind.HEARTBEAT)
+        self._thread = threading.Thread(
+            target=self._run, args=(channel, link), name="clusterenv-heartbeat", daemon=True
+        )
         self._thread.start()
 
     def close(self) -> None:
@@ -309,8 +423,8 @@ class HeartbeatClient:
         if threading.current_thread() is not self._thread:
             self._thread.join()
 
-    def _connect(self) -> tuple[Channel, zmq.Socket]:
-        """The heartbeat channel, and a monitor of its connection (which tells a dead learner from a silent one)."""
+    def _connect(self) -> tuple[Channel, _Link]:
+        """The heartbeat channel, and the state of its connection (which tells a live learner from a dead or frozen one)."""
         channel = Channel.connect_dealer(
             self._context,
             self.address,
@@ -319,27 +433,17 @@ class HeartbeatClient:
             session=self._session,
             max_message_bytes=HEARTBEAT_MAX_BYTES,
             curve=self._curve,
+            options={**self.config.zmtp_options(), zmq.SNDTIMEO: 0},  # never block on a learner that stopped reading
+            monitor=_WORKER_EVENTS,
         )
-        channel.socket.setsockopt(zmq.SNDTIMEO, 0)  # never block on a learner that stopped reading
-        monitor = channel.socket.get_monitor_socket(_CONNECTION_EVENTS)
-        return channel, monitor
+        assert channel.monitor is not None
+        return channel, _Link(channel.monitor)
 
-    @staticmethod
-    def _disconnect(channel: Channel, monitor: zmq.Socket) -> None:
-        channel.socket.disable_monitor()
-        monitor.close(linger=0)
-        channel.close()
-
-    def _run(self) -> None:
+    def _run(self, channel: Channel, link: _Link) -> None:
         config = self.config
-        channel, monitor = self._connect()
-        # The learner's end of the connection, as the monitor last reported it. Assumed up until
-        # then: only a learner known to be gone is given up on without reconnects.
-        connected = True
         delay = config.reconnect_initial
         reconnects = 0
-        expires = time.monotonic() + config.expiry
-        next_beat = time.monotonic()
+        next_beat = time.monotonic() + config.interval
         try:
             while not self._stop.is_set():
                 if self._parent_pid is not None and os.getppid() != self._parent_pid:
@@ -350,17 +454,15 @@ class HeartbeatClient:
                     try:
                         channel.send(Kind.HEARTBEAT)
                     except zmq.Again:
-                        pass  # queue full: the learner is not reading, which its silence will show
+                        pass  # queue full: the connection is down, which the monitor reports
                     next_beat = now + config.interval
-                received = channel.recv(min(0.1, max(0.0, next_beat - time.monotonic())), routed=False)
-                connected = _still_connected(monitor, connected)
-                if received is not None and received[1].kind is Kind.HEARTBEAT:
-                    expires = time.monotonic() + config.expiry
+                link.update(min(0.1, max(0.0, next_beat - time.monotonic())))
+                if link.down_since is None:
                     delay, reconnects = config.reconnect_initial, 0
                     continue
-                if time.monotonic() < expires:
+                if time.monotonic() - link.down_since < config.expiry:
                     continue
-                if not connected:
+                if link.refused:
                     self._give_up(
                         f"The learner at {self.address} has been silent for {config.expiry:.1f} s and its "
                         "end of the connection is closed"
@@ -373,22 +475,20 @@ class HeartbeatClient:
                     )
                     return
                 logger.warning(
-                    "No heartbeat from the learner at %s for %.1f s; reconnecting in %.1f s.",
+                    "The connection to the learner at %s has been down for %.1f s; reconnecting in %.1f s.",
                     self.address,
                     config.expiry,
                     delay,
                 )
-                self._disconnect(channel, monitor)
+                channel.close()
                 if self._stop.wait(delay):
                     return
-                channel, monitor = self._connect()
-                connected = True
+                channel, link = self._connect()
                 reconnects += 1
                 delay = min(2 * delay, config.reconnect_max)
-                expires = time.monotonic() + config.expiry
         finally:
-            if not monitor.closed:
-                self._disconnect(channel, monitor)
+            if not channel.socket.closed:
+                channel.close()
 
     def _give_up(self, reason: str) -> None:
         """Tell the main loop to stop; if it does not within ``exit_grace`` (stuck in env code), end the process."""
@@ -413,14 +513,26 @@ class HeartbeatClient:
         os._exit(LEARNER_LOST_EXIT_CODE)
 
 
-def _still_connected(monitor: zmq.Socket, connected: bool) -> bool:
-    """The connection state after the monitor's pending events (a failed reconnect counts as closed)."""
-    while True:
-        try:
-            event = recv_monitor_message(monitor, zmq.NOBLOCK)["event"]
-        except zmq.Again:
-            return connected
-        if event == zmq.EVENT_CONNECTED:
-            connected = True
-        elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CONNECT_RETRIED):
-            connected = False
+class _Link:
+    """A worker's liveness connection as its monitor reported it.
+
+    Up (ZMTP handshake done) or down since when, and whether the learner's end refused a
+    reconnect (nothing listens there: its process is gone).
+    """
+
+    def __init__(self, monitor: zmq.Socket) -> None:
+        self.monitor = monitor
+        self.down_since: float | None = time.monotonic()  # a new connection is down until its handshake
+        self.refused = False
+
+    def update(self, timeout: float) -> None:
+        """Apply the monitor's events, waiting up to ``timeout`` seconds for the first."""
+        for event, _ in _events(self.monitor, timeout):
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.down_since, self.refused = None, False
+            elif event == zmq.EVENT_DISCONNECTED and self.down_since is None:
+                self.down_since = time.monotonic()
+            elif event == zmq.EVENT_CONNECT_RETRIED:
+                self.refused = True
+            elif event == zmq.EVENT_CONNECTED:
+                self.refused = False  # something accepted the connection: a frozen learner's kernel does

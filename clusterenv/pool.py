@@ -7,7 +7,7 @@ the translation of remote errors, timeouts and lost workers into exceptions.
 :class:`~clusterenv.env.ClusterEnv` builds the commands and reads the replies.
 
 Restarts (``on_worker_failure="restart"``): when a worker is lost (its process exited,
-or it stopped answering heartbeats), the pool first collects every other worker's reply,
+or its heartbeat connection dropped), the pool first collects every other worker's reply,
 so no other env's data is lost or duplicated. Then, for each lost worker, it ends the old
 process if it can, starts a replacement through the launcher, waits for it to join,
 replays its INIT (the same env factories, flagged ``replacement``), runs the
@@ -70,7 +70,7 @@ class WorkerPool:
         bind: learner address; ``None`` is a private ``ipc://`` socket. Non-loopback addresses require a secret.
         secret: shared HMAC secret (or ``$CLUSTERENV_SECRET``); random when workers are local.
         launcher: ``"local"``, ``"external"``, ``"ray"`` or a :class:`~clusterenv.launch.Launcher`.
-        heartbeat: heartbeat constants; a worker silent for ``interval * liveness`` seconds is lost.
+        heartbeat: heartbeat constants; a worker whose heartbeat connection drops (dead or frozen) is lost.
         on_worker_failure: ``"raise"`` or ``"restart"``.
         start_timeout: seconds for workers to join and build their envs.
         describe_work: names what a worker was running in a lost-worker error, e.g. ``"envs 4..7"``.
@@ -408,16 +408,10 @@ class WorkerPool:
     # -- failures --------------------------------------------------------------------------
     def _lost(self, worker_id: int, doing: str) -> WorkerLostError:
         code = self.launcher.exit_code(worker_id)
-        silence = self._monitor.silence(worker_id)
         if code is not None:
             how = f"exited with code {code}"
-        elif silence is not None and silence > self.heartbeat.expiry:
-            how = (
-                f"stopped answering heartbeats ({silence:.1f} s silent; interval={self.heartbeat.interval} s, "
-                f"liveness={self.heartbeat.liveness})"
-            )
         else:
-            how = "is unreachable"
+            how = self._monitor.reason(worker_id) or "is unreachable"
         error = WorkerLostError(
             f"{self.launcher.describe(worker_id)}, running {self.describe_work(worker_id)}, {how} while {doing}."
         )

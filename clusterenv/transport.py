@@ -32,6 +32,7 @@ import secrets
 import shutil
 import time
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -210,6 +211,12 @@ class Channel:
     _hello_nonce: bytes | None = field(default=None, repr=False)
     _hello: Session | None = field(default=None, repr=False)
     _drop_log: _DropLog = field(default_factory=_DropLog, repr=False)
+    #: Whether :meth:`recv` on a ROUTER records :attr:`source_fd` (off: it costs a call per message).
+    track_source: bool = field(default=False, repr=False)
+    #: The file descriptor of the connection the last routed message came from, as monitor events name it.
+    source_fd: int | None = field(default=None, repr=False)
+    #: Where the socket's connection events are reported (``zmq.utils.monitor``), if asked for; closed with it.
+    monitor: zmq.Socket | None = field(default=None, repr=False)
 
     @classmethod
     def bind_router(
@@ -222,11 +229,13 @@ class Channel:
         sessions: dict[bytes | None, Session] | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         curve: Curve | None = None,
+        options: Mapping[int, int] | None = None,
     ) -> Channel:
         """Bind the learner's ROUTER; ``address=None`` means a fresh private ``ipc://`` path.
 
         ``max_message_bytes`` is also ZeroMQ's ``MAXMSGSIZE``, which applies to connections
         as it was at bind time: set it here, not later. ``curve``: encrypt (CurveZMQ server).
+        ``options`` are further socket options, set before binding: connections take them from the listener.
         """
         tmpdir = None
         if address is None:
@@ -236,6 +245,8 @@ class Channel:
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        for option, value in (options or {}).items():
+            socket.setsockopt(option, value)
         if curve is not None:
             curve.serve(socket)
         try:
@@ -269,17 +280,24 @@ class Channel:
         session: Session | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         curve: Curve | None = None,
+        options: Mapping[int, int] | None = None,
+        monitor: int = 0,
     ) -> Channel:
         """Connect a worker's DEALER to the learner (with ``session``: on keys agreed on another connection).
 
-        ``curve``: encrypt (CurveZMQ client); the learner must encrypt too.
+        ``curve``: encrypt (CurveZMQ client); the learner must encrypt too. ``options`` are further
+        socket options; ``monitor`` the ``zmq.EVENT_*`` flags to report on :attr:`monitor`. Both are
+        set before connecting, so that no event of the connection is missed.
         """
         socket = context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.IDENTITY, identity)
         socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        for option, value in (options or {}).items():
+            socket.setsockopt(option, value)
         if curve is not None:
             curve.connect(socket)
+        events = socket.get_monitor_socket(monitor) if monitor else None
         socket.connect(address)
         sessions: dict[bytes | None, Session] = {} if session is None else {None: session}
         return cls(
@@ -289,6 +307,7 @@ class Channel:
             accept_joins=False,
             sessions=sessions,
             max_message_bytes=max_message_bytes,
+            monitor=events,
         )
 
     @property
@@ -401,6 +420,8 @@ class Channel:
                 return None
             sender = None
             if routed:
+                if self.track_source:
+                    self.source_fd = frames[0].get(zmq.SRCFD)
                 sender, frames = frames[0].bytes, frames[1:]
             session = self.sessions.get(sender)
             try:
@@ -504,6 +525,9 @@ class Channel:
 
     def close(self, linger: int = 0) -> None:
         """Close the socket (keeping unsent messages up to ``linger`` ms) and remove the private ipc directory."""
+        if self.monitor is not None:
+            self.socket.disable_monitor()
+            self.monitor.close(linger=0)
         self.socket.close(linger=linger)
         if self._remove_tmpdir is not None:
             self._remove_tmpdir()

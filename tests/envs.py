@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import subprocess
 import time
 from pathlib import Path
@@ -172,6 +173,39 @@ class StuckEnv(gym.Env):
     def close(self) -> None:
         self.helper.kill()
         self.helper.wait()
+
+
+def hold_gil(seconds: float) -> None:
+    """One C call that keeps the GIL for ``seconds`` (``usleep`` through ``ctypes.PyDLL``), as a long simulator call might.
+
+    No other thread of the process runs meanwhile: a heartbeat thread is starved for the whole time.
+    """
+    ctypes.PyDLL(None).usleep(int(seconds * 1e6))
+
+
+def spin(seconds: float) -> None:
+    """Pure-Python busy work in a tight loop for ``seconds``."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+class BusyEnv(gym.Wrapper):
+    """CartPole whose every step first keeps its worker busy for ``seconds``, then steps as CartPole would.
+
+    ``how`` is ``"python"`` (:func:`spin`) or ``"c"`` (:func:`hold_gil`). The file ``started``, if
+    given, is created as a step begins, so that a test knows the worker is inside it.
+    """
+
+    def __init__(self, seconds: float, how: str = "c", started: str | None = None) -> None:
+        super().__init__(gym.make("CartPole-v1"))
+        self.seconds, self.busy, self.started = seconds, {"python": spin, "c": hold_gil}[how], started
+
+    def step(self, action):
+        if self.started is not None:
+            Path(self.started).touch()
+        self.busy(self.seconds)
+        return self.env.step(action)
 
 
 class WrongShapeObsEnv(gym.Env):

@@ -114,8 +114,8 @@ LEARNER = textwrap.dedent(
 LEARNER_GONE = {
     # Its end of the connection closes: lost after interval * liveness, about 1 s.
     "killed": (signal.SIGKILL, "has been silent for 1.0 s and its end of the connection is closed"),
-    # Still connected, only silent (as behind a partition): silent for interval * liveness,
-    # one reconnect, silent again: about 2.1 s.
+    # Frozen: it accepts connections (its kernel does) but answers no ZMTP heartbeat. The connection
+    # drops after interval * liveness, stays down as long, one reconnect fails as long: about 3.2 s.
     "stopped": (signal.SIGSTOP, "has not answered heartbeats after 1 reconnects"),
 }
 
