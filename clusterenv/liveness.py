@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import sys
 import threading
 import time
@@ -173,10 +174,50 @@ def _connect_address(learner_address: str, heartbeat_endpoint: str) -> str:
     return f"tcp://{host}:{port}"
 
 
-def _events(monitor: zmq.Socket, timeout: float = 0.0) -> list[tuple[int, int]]:
-    """The ``(event, value)`` pairs the monitor has reported, waiting up to ``timeout`` seconds for the first."""
+class _Waker:
+    """Ends a heartbeat thread's wait at once, so that closing never waits for a poll timeout.
+
+    The thread binds an ``inproc`` PAIR socket and polls it with its own; another thread
+    connects a fresh socket of its own (sockets are not shared between threads) and sends
+    one empty message. The stop flag is set first, so a lost wake-up only costs one timeout.
+    """
+
+    def __init__(self, context: zmq.Context) -> None:
+        self._context = context
+        self.address = f"inproc://clusterenv-wake-{secrets.token_hex(8)}"
+        self.socket: zmq.Socket | None = None
+
+    def open(self) -> zmq.Socket:
+        """Bind the thread's end (call from the thread that polls it)."""
+        self.socket = self._context.socket(zmq.PAIR)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(self.address)
+        return self.socket
+
+    def wake(self) -> None:
+        """Wake the thread (from another thread)."""
+        poke = self._context.socket(zmq.PAIR)
+        poke.setsockopt(zmq.LINGER, 0)
+        try:
+            poke.connect(self.address)
+            poke.send(b"", zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the thread is gone already, or will see the stop flag at its next timeout
+        finally:
+            poke.close()
+
+    def close(self) -> None:
+        if self.socket is not None:
+            self.socket.close(linger=0)
+
+
+def _events(monitor: zmq.Socket, timeout: float = 0.0, wake: zmq.Socket | None = None) -> list[tuple[int, int]]:
+    """The ``(event, value)`` pairs the monitor has reported, waiting up to ``timeout`` seconds (or for ``wake``)."""
     if timeout > 0:
-        monitor.poll(int(timeout * 1000))
+        if wake is None:
+            monitor.poll(int(timeout * 1000))
+        else:
+            zmq.select([monitor, wake], [], [], timeout)
     events: list[tuple[int, int]] = []
     while True:
         try:
@@ -215,6 +256,7 @@ class HeartbeatMonitor:
         self._closed_fds: set[int] = set()  # descriptors whose connection dropped and were not reused since
         self._tick = time.monotonic()
         self._stop = threading.Event()
+        self._waker = _Waker(context)
         self._bound = threading.Event()
         self._bind_error: BaseException | None = None
         self.endpoint = ""
@@ -302,6 +344,7 @@ class HeartbeatMonitor:
     def close(self) -> None:
         """Stop the thread and close its socket (before the context is terminated)."""
         self._stop.set()
+        self._waker.wake()
         self._thread.join()
 
     def _run(self) -> None:
@@ -324,11 +367,19 @@ class HeartbeatMonitor:
         monitor = channel.monitor = channel.socket.get_monitor_socket(_LEARNER_EVENTS)
         channel.track_source = True
         self.endpoint = channel.endpoint
+        wake = self._waker.open()
+        poller = zmq.Poller()
+        for socket in (channel.socket, monitor, wake):
+            poller.register(socket, zmq.POLLIN)
+        # Woken by messages, connection events and close(); the timeout only bounds how stale
+        # the tick that expired() measures silence against may get.
+        poll_ms = max(10, int(min(self.config.interval, 1.0) * 1000))
         self._bound.set()
         try:
             while not self._stop.is_set():
-                # Short waits so that close() never waits long.
-                received = channel.recv(0.1, routed=True)
+                if wake in dict(poller.poll(poll_ms)):
+                    break
+                received = channel.recv(0, routed=True)
                 while received is not None:
                     # Events first: libzmq reported this message's connection, and the drop of any
                     # earlier one that had the same descriptor, before the message arrived.
@@ -341,6 +392,7 @@ class HeartbeatMonitor:
                 with self._lock:
                     self._tick = time.monotonic()  # everything that arrived before now has been read
         finally:
+            self._waker.close()
             channel.close()
 
     def _heard(self, identity: bytes, fd: int) -> None:
@@ -407,6 +459,7 @@ class HeartbeatClient:
         self._exit_grace = exit_grace
         self.learner_lost = threading.Event()
         self._stop = threading.Event()
+        self._waker = _Waker(context)
         # Connected, and the first heartbeat queued, in the caller's thread: libzmq delivers it
         # without the GIL, so the learner knows this worker's connection even if env code starves
         # the thread from its start. The thread takes the socket over.
@@ -421,6 +474,7 @@ class HeartbeatClient:
         """Stop the thread and close its socket."""
         self._stop.set()
         if threading.current_thread() is not self._thread:
+            self._waker.wake()
             self._thread.join()
 
     def _connect(self) -> tuple[Channel, _Link]:
@@ -444,6 +498,7 @@ class HeartbeatClient:
         delay = config.reconnect_initial
         reconnects = 0
         next_beat = time.monotonic() + config.interval
+        wake = self._waker.open()
         try:
             while not self._stop.is_set():
                 if self._parent_pid is not None and os.getppid() != self._parent_pid:
@@ -456,7 +511,7 @@ class HeartbeatClient:
                     except zmq.Again:
                         pass  # queue full: the connection is down, which the monitor reports
                     next_beat = now + config.interval
-                link.update(min(0.1, max(0.0, next_beat - time.monotonic())))
+                link.update(min(0.1, max(0.0, next_beat - time.monotonic())), wake)
                 if link.down_since is None:
                     delay, reconnects = config.reconnect_initial, 0
                     continue
@@ -487,6 +542,7 @@ class HeartbeatClient:
                 reconnects += 1
                 delay = min(2 * delay, config.reconnect_max)
         finally:
+            self._waker.close()
             if not channel.socket.closed:
                 channel.close()
 
@@ -525,9 +581,9 @@ class _Link:
         self.down_since: float | None = time.monotonic()  # a new connection is down until its handshake
         self.refused = False
 
-    def update(self, timeout: float) -> None:
-        """Apply the monitor's events, waiting up to ``timeout`` seconds for the first."""
-        for event, _ in _events(self.monitor, timeout):
+    def update(self, timeout: float, wake: zmq.Socket | None = None) -> None:
+        """Apply the monitor's events, waiting up to ``timeout`` seconds for the first (or for ``wake``)."""
+        for event, _ in _events(self.monitor, timeout, wake):
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.down_since, self.refused = None, False
             elif event == zmq.EVENT_DISCONNECTED and self.down_since is None:
