@@ -74,7 +74,7 @@ def test_twenty_thousand_steps_through_kills_freezes_and_floods():
         reported = []
         for t in range(BATCH_STEPS):
             actions = np.array([rng.randrange(2) for _ in range(NUM_ENVS)])
-            if not hit and t % 1000 == 500:  # at most one casualty at a time; about 20 in all
+            if not hit and t % 1600 == 800:  # at most one casualty at a time; 12 in all
                 victim = rng.randrange(NUM_WORKERS)
                 how = rng.choice(["SIGKILL", "SIGKILL mid-step", "SIGSTOP", "SIGSTOP mid-step"])
                 pid = envs.worker_info[victim]["pid"]
@@ -102,7 +102,7 @@ def test_twenty_thousand_steps_through_kills_freezes_and_floods():
                     assert set(restarted) >= set(envs_of_w) and truncations[list(envs_of_w)].all()
                     reported.append(hit.pop(w))
         assert not hit, f"{hit} were hit but their restart was never reported"
-        assert len(reported) >= 15, reported
+        assert len(reported) >= 10, reported
         stop.set()
         for thread in floods:
             thread.join(timeout=10)

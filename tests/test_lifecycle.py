@@ -201,7 +201,8 @@ def test_learner_killed_mid_step_ends_its_worker_within_the_heartbeat_expiry(lau
         alive = sorted(pid for pid in survivors if pid_alive(pid))
         assert gone, f"processes {alive} (worker {pids['worker']}) outlived the learner by more than {bound} s"
         assert elapsed < bound
-        assert dirs == scratch_dirs_of(learner.pid), "a killed learner cleans nothing up itself"
+        # A killed learner cleans nothing up itself (unless another learner on this host, e.g. a
+        # parallel test, already has): the next one to start removes its directories.
 
         with ClusterEnv([CARTPOLE], num_workers=1):
             assert not scratch_dirs_of(learner.pid), "the next learner removes a dead learner's directories"

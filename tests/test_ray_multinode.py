@@ -12,7 +12,8 @@ from clusterenv import ClusterEnv
 from tests.conftest import pid_alive, wait_until
 from tests.test_remote import ENV_FNS, FAST, descendants, run_lockstep
 
-pytestmark = pytest.mark.slow
+# One Ray instance at a time: under pytest-xdist both Ray test files run on the same worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +29,14 @@ def three_nodes():
     for _ in range(2):
         cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
+    saved = dict(os.environ)  # ray.init(address=...) exports RAY_ADDRESS: a later local ray.init must not see it
     ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
     yield ray, cluster
     spawned = descendants(os.getpid())
     ray.shutdown()
     cluster.shutdown()
+    os.environ.clear()
+    os.environ.update(saved)
     assert wait_until(lambda: not any(pid_alive(pid) for pid in spawned), timeout=30), "Ray processes outlived shutdown"
 
 

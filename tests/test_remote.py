@@ -144,13 +144,14 @@ def descendants(pid: int) -> set[int]:
 def ray_cluster():
     """One local Ray instance for the module; all of its processes must be gone afterwards."""
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield ray
     spawned = descendants(os.getpid())
     ray.shutdown()
     assert wait_until(lambda: not any(pid_alive(pid) for pid in spawned), timeout=30), "Ray processes outlived shutdown"
 
 
+@pytest.mark.xdist_group("ray")
 def test_ray_actors_serve_the_envs_and_are_replaced_when_killed(ray_cluster):
     from clusterenv.ray_launcher import RayLauncher
 
