@@ -167,7 +167,7 @@ def main(args: Args) -> None:
     for n, backend in tqdm(jobs, desc="learner CPU"):
         run = floor_cpu if backend == "floor" else clusterenv_cpu
         cells.setdefault(f"{n}:{backend}", []).append(run(n, args))
-    command = "python benchmarks/learner_cpu.py" + (" --quick" if args.quick else "")
+    command = "python benchmarks/learner_cpu.py" + "".join(f" {a}" for a in sys.argv[1:])
     lines = [
         f"`{command}` — one SleepEnv ({args.step_ms:g} ms) per worker, {args.steps} timed batch steps, median of "
         f"{args.repeats} (backends alternated); learner process CPU per batch step; {os.cpu_count()} cores, "
