@@ -104,7 +104,8 @@ def floor_cpu(n: int, args: Args) -> float:
     context = zmq.Context()
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
-    address = f"ipc://{tempfile.mkdtemp(prefix='learner-floor-')}/router.sock"
+    scratch = tempfile.TemporaryDirectory(prefix="learner-floor-")  # removed with the socket file at the end
+    address = f"ipc://{scratch.name}/router.sock"
     router.bind(address)
     identities = [b"w%d" % i for i in range(n)]
     spawn = mp.get_context("spawn")
@@ -138,6 +139,7 @@ def floor_cpu(n: int, args: Args) -> float:
                 p.kill()
         router.close()
         context.term()
+        scratch.cleanup()
 
 
 def clusterenv_cpu(n: int, args: Args) -> float:

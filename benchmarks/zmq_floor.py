@@ -50,7 +50,8 @@ def main() -> None:
     context = zmq.Context()
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
-    address = f"ipc://{tempfile.mkdtemp(prefix='zmq-floor-')}/router.sock"
+    scratch = tempfile.TemporaryDirectory(prefix="zmq-floor-")  # removed with the socket file at the end
+    address = f"ipc://{scratch.name}/router.sock"
     router.bind(address)
     identities = [b"w%d" % i for i in range(args.workers)]
     spawn = mp.get_context("spawn")
@@ -79,6 +80,7 @@ def main() -> None:
         p.join()
     router.close()
     context.term()
+    scratch.cleanup()
     overhead = elapsed * 1e6 - args.work_us
     print(
         f"{args.workers} worker(s), {args.work_us:g} us work each: {elapsed * 1e6:.1f} us per lockstep step "

@@ -35,6 +35,7 @@ from clusterenv.validation import (
     check_reset_options,
     check_seconds,
     check_seeds,
+    per_env_values,
     pickle_argument,
     pickle_env_fn,
 )
@@ -215,7 +216,7 @@ class ClusterEnv(VectorEnv):
 
     @batch_size.setter
     def batch_size(self, value: int) -> None:
-        if self._in_flight or self._arrived:
+        if self._streaming_workers():
             raise AlreadyPendingCallError(
                 "Cannot change `batch_size` while envs are in flight: recv() them first.", "step"
             )
@@ -321,9 +322,9 @@ class ClusterEnv(VectorEnv):
 
     def _begin(self, state: AsyncState) -> None:
         self._assert_is_running()
-        if self._in_flight or self._arrived:
+        if streaming := self._streaming_workers():
             raise AlreadyPendingCallError(
-                f"Calling `{state.value}` while {len(self._in_flight) + len(self._arrived)} workers' envs are in "
+                f"Calling `{state.value}` while {len(streaming)} workers' envs are in "
                 "flight from async_reset()/send(): recv() them all first.",
                 "step",
             )
@@ -522,7 +523,8 @@ class ClusterEnv(VectorEnv):
         position = np.full(self.num_envs, -1)
         position[env_ids] = np.arange(len(env_ids))
         workers = np.unique(self._env_worker[env_ids]).tolist()
-        busy = sorted(set(workers) & ({*self._in_flight} | {w for w, _, _ in self._arrived}))
+        streaming = self._streaming_workers()
+        busy = sorted(set(workers).intersection(streaming))
         if busy:
             raise ValueError(
                 f"`env_ids` include envs of workers {busy} whose last results recv() has not returned yet: "
@@ -538,7 +540,7 @@ class ClusterEnv(VectorEnv):
             )
         space = self._action_space_for(len(env_ids))
         leaves = check_actions(actions, space, self._action_specs, len(env_ids))
-        if not (self._in_flight or self._arrived):
+        if not streaming:
             self._begin(AsyncState.WAITING_STEP)
             self._state = AsyncState.WAITING_STEP
         commands: dict[int, Command] = {
@@ -559,10 +561,9 @@ class ClusterEnv(VectorEnv):
         """
         self._assert_is_running()
         needed = self.num_workers * self._batch_size // self.num_envs  # exact: whole workers
-        if len(self._in_flight) + len(self._arrived) < needed:
-            waiting = sum(
-                self._slices[w].stop - self._slices[w].start for w in [*self._in_flight, *(a[0] for a in self._arrived)]
-            )
+        streaming = self._streaming_workers()
+        if len(streaming) < needed:
+            waiting = sum(self._slices[w].stop - self._slices[w].start for w in streaming)
             raise NoAsyncCallError(
                 f"recv() returns batch_size={self.batch_size} envs, but only {waiting} are in flight: send() "
                 "actions for more envs first.",
@@ -582,7 +583,7 @@ class ClusterEnv(VectorEnv):
             if w in self._in_flight:
                 self._arrived.append((w, self._in_flight.pop(w), msg))
         ready, self._arrived = self._arrived[:needed], self._arrived[needed:]
-        if not (self._in_flight or self._arrived):
+        if not self._streaming_workers():
             self._state = AsyncState.DEFAULT
         return self._first_ready_batch(ready)
 
@@ -608,12 +609,14 @@ class ClusterEnv(VectorEnv):
             infos = replay_infos(infos, records, n, offset)
             offset = rows.stop
         if self._array_obs:
-            obs = self._observations[env_ids] if type(self._observations) is np.ndarray else None
-            if obs is None:
-                obs = unflatten(self.single_observation_space, [leaf[env_ids] for leaf in self._obs_leaves])
+            obs = unflatten(self.single_observation_space, [leaf[env_ids] for leaf in self._obs_leaves])
         else:
             obs = concatenate(self.single_observation_space, [self._env_obs[i] for i in env_ids], self._batch_obs(n))
         return obs, rewards, terminations, truncations, infos, env_ids
+
+    def _streaming_workers(self) -> list[int]:
+        """Workers whose envs are in the first-ready API's hands: stepping, or replied and not yet recv()'d."""
+        return [*self._in_flight, *(w for w, _, _ in self._arrived)]
 
     def _reset_replacement_in_flight(self, worker_id: int) -> None:
         """A restart hook: a replacement for a worker lost mid-``send`` is reset, and recv() reports the cut episodes."""
@@ -666,13 +669,7 @@ class ClusterEnv(VectorEnv):
     def set_attr(self, name: str, values: list[Any] | tuple[Any, ...] | Any) -> None:
         """Set attribute ``name`` on every env: one value each, or the same value for all."""
         name = check_attribute_name(name)
-        if not isinstance(values, (list, tuple)):
-            values = [values for _ in range(self.num_envs)]
-        if len(values) != self.num_envs:
-            raise ValueError(
-                "Values must be a list or tuple with length equal to the number of environments. "
-                f"Got `{len(values)}` values for {self.num_envs} environments."
-            )
+        values = per_env_values(values, self.num_envs)
         self._begin(AsyncState.WAITING_CALL)
         blobs = [pickle_argument(list(values[sl]), f"values of set_attr({name!r})") for sl in self._slices]
         self._pool.send_each(Kind.SET_ATTR, {w: ({"name": name}, (), [blob]) for w, blob in enumerate(blobs)})

@@ -336,14 +336,11 @@ class Channel:
         to: bytes | None = None,
     ) -> None:
         """Send one message (to ``to`` on a ROUTER); a worker's HELLO starts its join."""
-        session = self.sessions.get(to)
-        if session is None:
-            if kind is not Kind.HELLO or to is not None:
-                raise ProtocolError(f"Cannot send {kind.name} to {to!r}: that peer has not joined.")
+        if kind is Kind.HELLO and to is None and None not in self.sessions:
             self._hello_nonce = secrets.token_bytes(NONCE_BYTES)
             self._send(self._hello_session(), kind, {**(meta or {}), "nonce": self._hello_nonce}, (), (), to)
             return
-        self._send(session, kind, meta, arrays, blobs, to)
+        self.send_frames(self.frames(kind, meta, arrays, blobs, to=to), to=to)
 
     def frames(
         self,

@@ -27,6 +27,7 @@ __all__ = [
     "check_reset_options",
     "check_seconds",
     "check_seeds",
+    "per_env_values",
     "pickle_argument",
     "pickle_env_fn",
 ]
@@ -120,6 +121,18 @@ def check_batch_size(batch_size: Any, num_envs: int, num_workers: int) -> int:
             f"{num_workers} workers), so that recv() returns whole workers; got {batch_size}."
         )
     return batch_size
+
+
+def per_env_values(values: Any, num_envs: int) -> list[Any] | tuple[Any, ...]:
+    """``set_attr``'s values: one per env, or one value for all (as ``SyncVectorEnv.set_attr`` takes them)."""
+    if not isinstance(values, (list, tuple)):
+        return [values for _ in range(num_envs)]
+    if len(values) != num_envs:
+        raise ValueError(
+            "Values must be a list or tuple with length equal to the number of environments. "
+            f"Got `{len(values)}` values for {num_envs} environments."
+        )
+    return values
 
 
 def check_seeds(seed: Any, num_envs: int) -> list[int | None]:

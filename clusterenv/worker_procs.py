@@ -51,6 +51,7 @@ from gymnasium.vector.utils import batch_differing_spaces, batch_space, concaten
 from clusterenv import shared_obs
 from clusterenv.batching import InfoRecord, is_array_tree, leaf_arrays, split_evenly
 from clusterenv.recording import dumps
+from clusterenv.validation import per_env_values
 
 __all__ = ["ENV_PROCESS_LOST_EXIT_CODE", "ChildEnvError", "EnvProcessLost", "ProcVectorEnv"]
 
@@ -307,13 +308,7 @@ class ProcVectorEnv(VectorEnv):
 
     def set_attr(self, name: str, values: list[Any] | tuple[Any, ...] | Any) -> None:
         """Set attribute ``name`` on every env: one value each, or the same value for all."""
-        if not isinstance(values, (list, tuple)):
-            values = [values for _ in range(self.num_envs)]
-        if len(values) != self.num_envs:
-            raise ValueError(
-                "Values must be a list or tuple with length equal to the number of environments. "
-                f"Got `{len(values)}` values for {self.num_envs} environments."
-            )
+        values = per_env_values(values, self.num_envs)
         self._all(lambda c: ("set_attr", (name, list(values[c.part]))))
 
     def render(self) -> tuple[Any, ...]:
