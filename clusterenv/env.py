@@ -5,10 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket as pysocket
-import time
 from collections.abc import Callable, Iterator, Sequence
-from copy import deepcopy
 from typing import Any
 
 import numpy as np
@@ -16,11 +13,11 @@ from gymnasium import Env
 from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError, ResetNeeded
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.async_vector_env import AsyncState
-from gymnasium.vector.utils import batch_differing_spaces, batch_space, concatenate, create_empty_array, iterate
+from gymnasium.vector.utils import batch_differing_spaces, batch_space
 
-from clusterenv import shared_obs
-from clusterenv.batching import is_array_tree, leaf_arrays, leaf_specs, replay_infos, split_evenly, unflatten
-from clusterenv.errors import WorkerTimeoutError
+from clusterenv.batching import is_array_tree, leaf_specs, split_evenly
+from clusterenv.buffers import WORKER_RESTARTED_KEY, BatchBuffers, share_with_local_workers
+from clusterenv.first_ready import FirstReady, Ready
 from clusterenv.launch import Launcher
 from clusterenv.liveness import Heartbeat
 from clusterenv.pool import Command, WorkerPool, weak_callback
@@ -29,12 +26,14 @@ from clusterenv.validation import (
     check_actions,
     check_attribute_name,
     check_batch_size,
+    check_choice,
     check_env_fns,
     check_num_workers,
     check_procs_per_worker,
     check_reset_options,
     check_seconds,
     check_seeds,
+    check_spaces,
     per_env_values,
     pickle_argument,
     pickle_env_fn,
@@ -45,16 +44,6 @@ __all__ = ["WORKER_RESTARTED_KEY", "ClusterEnv"]
 logger = logging.getLogger(__name__)
 
 _CLOSE_GRACE_S = 5.0
-#: The info key (with its ``_`` mask) flagging envs whose episode a worker restart cut short.
-WORKER_RESTARTED_KEY = "worker_restarted"
-
-
-def _rows(leaf: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """``leaf[rows]``, as a view when the rows are consecutive (the usual case: env_ids as recv() gave them)."""
-    start = int(rows[0])
-    if len(rows) == 1 or (rows[-1] - start == len(rows) - 1 and (len(rows) == 2 or (np.diff(rows) == 1).all())):
-        return leaf[start : start + len(rows)]
-    return leaf[rows]
 
 
 def _default_num_workers(num_envs: int) -> int:
@@ -151,28 +140,19 @@ class ClusterEnv(VectorEnv):
             num_workers = _default_num_workers(self.num_envs)
         self.num_workers = num_workers = check_num_workers(num_workers, self.num_envs)
         self.procs_per_worker = check_procs_per_worker(procs_per_worker)
-        try:
-            self.autoreset_mode = AutoresetMode(autoreset_mode)
-        except ValueError:
-            raise ValueError(
-                f"`autoreset_mode` must be one of {[mode.value for mode in AutoresetMode]}, got {autoreset_mode!r}."
-            ) from None
-        if observation_mode not in ("same", "different"):
-            raise ValueError(f"`observation_mode` must be 'same' or 'different', got {observation_mode!r}.")
+        mode = autoreset_mode.value if isinstance(autoreset_mode, AutoresetMode) else autoreset_mode
+        self.autoreset_mode = AutoresetMode(check_choice("autoreset_mode", mode, [m.value for m in AutoresetMode]))
+        check_choice("observation_mode", observation_mode, ["same", "different"])
         self.copy = copy
         self.timeout = check_seconds("timeout", timeout, allow_none=True)
         start_timeout = check_seconds("start_timeout", start_timeout, allow_none=False)
-        if on_worker_failure not in ("raise", "restart"):
-            raise ValueError(f"`on_worker_failure` must be 'raise' or 'restart', got {on_worker_failure!r}.")
-        self.on_worker_failure = on_worker_failure
+        self.on_worker_failure = check_choice("on_worker_failure", on_worker_failure, ["raise", "restart"])
         self.heartbeat = Heartbeat() if heartbeat is None else heartbeat
         pickled_fns = [pickle_env_fn(i, fn) for i, fn in enumerate(env_fns)]
 
         self._slices = split_evenly(self.num_envs, num_workers)
         self._batch_size = check_batch_size(batch_size, self.num_envs, num_workers)
-        # First-ready batches: which workers are stepping (and what), which replied and wait for recv().
-        self._in_flight: dict[int, str] = {}
-        self._arrived: list[tuple[int, str, Message]] = []
+        self._first_ready = FirstReady(self._slices, self.num_envs)
         self._action_spaces: dict[int, Any] = {}
         self._observation_mode = observation_mode
 
@@ -200,13 +180,7 @@ class ClusterEnv(VectorEnv):
             self.close(terminate=True)
             raise
 
-        self._obs_leaves = leaf_arrays(self.single_observation_space, self._observations) if self._array_obs else []
-        self._env_obs: list[Any] = [None] * self.num_envs
-        self._rewards = np.zeros((self.num_envs,), dtype=np.float64)
-        self._terminations = np.zeros((self.num_envs,), dtype=np.bool_)
-        self._truncations = np.zeros((self.num_envs,), dtype=np.bool_)
         self._action_specs = leaf_specs(self.single_action_space) if is_array_tree(self.single_action_space) else None
-        self._env_worker = np.repeat(np.arange(num_workers), [sl.stop - sl.start for sl in self._slices])
         self._pool.restart_hooks.append(weak_callback(self._reset_replacement_in_flight))
 
     @property
@@ -216,7 +190,7 @@ class ClusterEnv(VectorEnv):
 
     @batch_size.setter
     def batch_size(self, value: int) -> None:
-        if self._streaming_workers():
+        if self._first_ready.streaming():
             raise AlreadyPendingCallError(
                 "Cannot change `batch_size` while envs are in flight: recv() them first.", "step"
             )
@@ -271,58 +245,25 @@ class ClusterEnv(VectorEnv):
         self.metadata = dict(descriptions[0]["metadata"])
         self.metadata["autoreset_mode"] = self.autoreset_mode
         self.render_mode = descriptions[0]["render_mode"]
+        check_spaces(obs_spaces, action_spaces, observation_mode)
         self.single_observation_space = obs_spaces[0]
         self.single_action_space = action_spaces[0]
-        for i, space in enumerate(action_spaces):
-            if space != self.single_action_space:
-                raise RuntimeError(
-                    f"Sub-environment {i} has action space {space}, but env 0 has {self.single_action_space}."
-                )
         if observation_mode == "same":
-            for i, space in enumerate(obs_spaces):
-                if space != self.single_observation_space:
-                    raise RuntimeError(
-                        f"ClusterEnv(..., observation_mode='same') but env {i} has observation space {space} "
-                        f"and env 0 has {self.single_observation_space}. Use observation_mode='different'."
-                    )
             self.observation_space = batch_space(self.single_observation_space, self.num_envs)
         else:
             self.observation_space = batch_differing_spaces(obs_spaces)
         self.action_space = batch_space(self.single_action_space, self.num_envs)
-        self._array_obs = is_array_tree(self.single_observation_space)
-        self._observations = create_empty_array(self.single_observation_space, n=self.num_envs, fn=np.zeros)
-        self._share_observations(observation_mode, timeout)
-
-    def _share_observations(self, observation_mode: str, timeout: float) -> None:
-        """Put the observation batch in memory shared with the workers on this host, if large enough to pay.
-
-        Workers that map it write their slices there and leave them out of their replies
-        (see ``shared_obs``); the others, and any replacement worker, keep sending frames.
-        """
-        if not self._array_obs or observation_mode != "same":
-            return
-        smallest = min(sl.stop - sl.start for sl in self._slices)
-        if smallest * shared_obs.bytes_per_env(self.single_observation_space) < shared_obs.SHARED_OBS_MIN_BYTES:
-            return
-        host = pysocket.gethostname()
-        local = [w for w in range(self.num_workers) if self._pool.host(w) == host]
-        if not local:
-            return
-        shared = shared_obs.SharedObservations(self.single_observation_space, self.num_envs)
-        try:
-            self._pool.new_call()
-            for w in local:
-                self._pool.send(w, Kind.SHARE_OBS, shared.meta(self._slices[w].start, self._slices[w].stop))
-            replies = self._pool.gather(local, "mapping shared observations", timeout)
-        finally:
-            shared.unlink()
-        self._observations = shared.observations
-        attached = sorted(w for w, reply in replies.items() if reply.meta.get("attached"))
-        logger.debug("Workers %s write observations into shared memory at %s.", attached, shared.path)
+        same = observation_mode == "same"
+        shared = (
+            share_with_local_workers(self._pool, self.single_observation_space, self._slices, timeout) if same else None
+        )
+        self._buffers = BatchBuffers(
+            self.single_observation_space, self.observation_space, self.num_envs, self._pool.loads, observations=shared
+        )
 
     def _begin(self, state: AsyncState) -> None:
         self._assert_is_running()
-        if streaming := self._streaming_workers():
+        if streaming := self._first_ready.streaming():
             raise AlreadyPendingCallError(
                 f"Calling `{state.value}` while {len(streaming)} workers' envs are in "
                 "flight from async_reset()/send(): recv() them all first.",
@@ -370,7 +311,7 @@ class ClusterEnv(VectorEnv):
         self._pool.send_each(Kind.RESET, commands)  # all or none: a partial reset would desynchronize the envs
         self._pending = list(commands)
         if mask is None:
-            self._rewards[:] = 0.0
+            self._buffers.rewards[:] = 0.0
         self._state = AsyncState.WAITING_RESET
 
     def reset_wait(self, timeout: float | None = None) -> tuple[Any, dict[str, Any]]:
@@ -379,8 +320,8 @@ class ClusterEnv(VectorEnv):
         replies = self._pool.gather(self._pending, "resetting", self.timeout if timeout is None else timeout)
         self._state = AsyncState.DEFAULT
         self._needs_reset = False
-        infos = self._collect(replies, n_extra=0)
-        return self._observation_batch(), infos
+        infos = self._collect(replies, step=False)
+        return self._buffers.observation_batch(self.copy), infos
 
     # -- step ------------------------------------------------------------------------------
     def step(self, actions: Any) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
@@ -408,44 +349,20 @@ class ClusterEnv(VectorEnv):
         self._end(AsyncState.WAITING_STEP, "step_wait")
         replies = self._pool.gather(self._pending, "stepping", self.timeout if timeout is None else timeout)
         self._state = AsyncState.DEFAULT
-        infos = self._collect(replies, n_extra=3)
+        infos = self._collect(replies, step=True)
         if self._pool.interrupted:
             infos = self._report_interrupted(infos)
+        buffers = self._buffers
         return (
-            self._observation_batch(),
-            np.copy(self._rewards),
-            np.copy(self._terminations),
-            np.copy(self._truncations),
+            buffers.observation_batch(self.copy),
+            np.copy(buffers.rewards),
+            np.copy(buffers.terminations),
+            np.copy(buffers.truncations),
             infos,
         )
 
-    def _collect(self, replies: dict[int, Message], n_extra: int) -> dict[str, Any]:
-        """Write the workers' slices into the batch buffers and replay infos in env order."""
-        infos: dict[str, Any] = {}
-        for w in sorted(replies):
-            sl, msg = self._slices[w], replies[w]
-            self._write_slice(sl, msg, n_extra)
-            if n_extra:
-                rewards, terminations, truncations = msg.arrays[-3:]
-                self._rewards[sl], self._terminations[sl], self._truncations[sl] = rewards, terminations, truncations
-            if msg.blobs[0]:
-                infos = replay_infos(infos, self._pool.loads(msg.blobs[0]), self.num_envs, sl.start)
-        self._finish_observations()
-        return infos
-
-    def _write_slice(self, sl: slice, msg: Message, n_extra: int) -> None:
-        """Write one worker's observations (all but its last ``n_extra`` arrays) into the batch."""
-        if not self._array_obs:
-            self._env_obs[sl] = self._pool.loads(msg.blobs[1])
-            return
-        obs_arrays = msg.arrays[: len(msg.arrays) - n_extra]
-        if obs_arrays:  # else the worker wrote its slice into the shared batch
-            for leaf, part in zip(self._obs_leaves, obs_arrays, strict=True):
-                leaf[sl] = part
-
-    def _finish_observations(self) -> None:
-        if not self._array_obs:
-            self._observations = concatenate(self.single_observation_space, self._env_obs, self._observations)  # type: ignore[arg-type]
+    def _collect(self, replies: dict[int, Message], step: bool) -> dict[str, Any]:
+        return self._buffers.collect([(self._slices[w], replies[w]) for w in sorted(replies)], step)
 
     def _report_interrupted(self, infos: dict[str, Any]) -> dict[str, Any]:
         """Report the episodes that a worker restart cut short as truncations (semantics in docs/cluster.md).
@@ -462,28 +379,9 @@ class ClusterEnv(VectorEnv):
             meta = {"seeds": None, "mask": None}
             resets = self._pool.request(interrupted, Kind.RESET, meta, "resetting a replacement's envs", self.timeout)
         for w in interrupted:
-            sl = self._slices[w]
-            self._rewards[sl], self._terminations[sl], self._truncations[sl] = 0.0, False, True
-            extra: list[dict[str, Any]] = [{} for _ in range(sl.stop - sl.start)]
-            if w in resets:
-                every = list(iterate(self.observation_space, self._observations)) if self._array_obs else self._env_obs
-                final_obs = [deepcopy(obs) for obs in every[sl]]
-                self._write_slice(sl, resets[w], n_extra=0)
-                blob = resets[w].blobs[0]
-                reset_infos: dict[int, dict[str, Any]] = dict(self._pool.loads(blob)) if blob else {}
-                for i in range(len(extra)):
-                    extra[i] = {"final_obs": final_obs[i], "final_info": {}, **reset_infos.get(i, {})}
-            records = [(i, {**info, WORKER_RESTARTED_KEY: True}) for i, info in enumerate(extra)]
-            infos = replay_infos(infos, records, self.num_envs, sl.start)
-        self._finish_observations()
+            infos = self._buffers.cut_short(infos, self._slices[w], resets.get(w))
+        self._buffers.finish()
         return infos
-
-    def _observation_batch(self) -> Any:
-        if not self.copy:
-            return self._observations
-        if type(self._observations) is np.ndarray and self._observations.dtype != object:
-            return self._observations.copy()  # what deepcopy does for a numeric array, without its memo bookkeeping
-        return deepcopy(self._observations)
 
     # -- first-ready batches (EnvPool's async_reset / send / recv) --------------------------
     def async_reset(self, seed: int | list[int | None] | None = None, options: dict[str, Any] | None = None) -> None:
@@ -502,7 +400,7 @@ class ClusterEnv(VectorEnv):
         self._check_first_ready()
         self.reset_async(seed=seed, options=options)
         self._state, self._needs_reset = AsyncState.WAITING_STEP, False
-        self._in_flight = dict.fromkeys(self._pending, "reset")
+        self._first_ready.in_flight = dict.fromkeys(self._pending, "reset")
 
     def send(self, actions: Any, env_ids: Any) -> None:
         """Step the envs ``env_ids`` (whole workers, as :meth:`recv` returned them) with ``actions``, without waiting.
@@ -515,43 +413,18 @@ class ClusterEnv(VectorEnv):
             raise ResetNeeded("Cannot call `send` before a reset: call async_reset() (or reset()) first.")
         if self._action_specs is None:
             raise TypeError(f"Action space {self.single_action_space} has no fixed array form; it is not supported.")
-        env_ids = np.asarray(env_ids)
-        if env_ids.ndim != 1 or env_ids.dtype.kind not in "iu" or not len(env_ids):
-            raise ValueError(f"`env_ids` must be a non-empty 1-d array of env indices, got {env_ids!r}.")
-        if env_ids.min() < 0 or env_ids.max() >= self.num_envs or len(np.unique(env_ids)) != len(env_ids):
-            raise ValueError(f"`env_ids` must be distinct indices in [0, {self.num_envs}), got {env_ids.tolist()}.")
-        position = np.full(self.num_envs, -1)
-        position[env_ids] = np.arange(len(env_ids))
-        workers = np.unique(self._env_worker[env_ids]).tolist()
-        streaming = self._streaming_workers()
-        busy = sorted(set(workers).intersection(streaming))
-        if busy:
-            raise ValueError(
-                f"`env_ids` include envs of workers {busy} whose last results recv() has not returned yet: "
-                "send() takes the envs that recv() returned."
-            )
-        rows = [position[self._slices[w]] for w in workers]
-        partial = [w for w, r in zip(workers, rows, strict=True) if (r < 0).any()]
-        if partial:
-            sl = self._slices[partial[0]]
-            raise ValueError(
-                f"`env_ids` must hold whole workers' envs, as recv() returns them: worker {partial[0]} steps "
-                f"envs {sl.start}..{sl.stop - 1}, but only some of them were given."
-            )
-        space = self._action_space_for(len(env_ids))
-        leaves = check_actions(actions, space, self._action_specs, len(env_ids))
-        if not streaming:
+        env_ids, workers = self._first_ready.check_env_ids(env_ids)
+        n = len(env_ids)
+        if n not in self._action_spaces:
+            self._action_spaces[n] = batch_space(self.single_action_space, n)
+        leaves = check_actions(actions, self._action_spaces[n], self._action_specs, n)
+        if not self._first_ready.streaming():
             self._begin(AsyncState.WAITING_STEP)
             self._state = AsyncState.WAITING_STEP
-        commands: dict[int, Command] = {
-            w: (None, [_rows(leaf, r) for leaf in leaves], ()) for w, r in zip(workers, rows, strict=True)
-        }
-        self._pool.send_each(Kind.STEP, commands)
-        self._in_flight.update(dict.fromkeys(workers, "step"))
+        self._pool.send_each(Kind.STEP, self._first_ready.step_commands(leaves, env_ids, workers))
+        self._first_ready.in_flight.update(dict.fromkeys(workers, "step"))
 
-    def recv(
-        self, timeout: float | None = None
-    ) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any], np.ndarray]:
+    def recv(self, timeout: float | None = None) -> Ready:
         """The results of the first ``batch_size`` envs to be ready: ``(obs, rewards, terminations, truncations, infos, env_ids)``.
 
         That is the envs of the first ``batch_size // envs_per_worker`` workers to reply, in the
@@ -561,69 +434,19 @@ class ClusterEnv(VectorEnv):
         """
         self._assert_is_running()
         needed = self.num_workers * self._batch_size // self.num_envs  # exact: whole workers
-        streaming = self._streaming_workers()
-        if len(streaming) < needed:
-            waiting = sum(self._slices[w].stop - self._slices[w].start for w in streaming)
+        if len(self._first_ready.streaming()) < needed:
             raise NoAsyncCallError(
-                f"recv() returns batch_size={self.batch_size} envs, but only {waiting} are in flight: send() "
-                "actions for more envs first.",
+                f"recv() returns batch_size={self.batch_size} envs, but only {self._first_ready.envs_in_flight()} "
+                "are in flight: send() actions for more envs first.",
                 "step",
             )
-        timeout = self.timeout if timeout is None else timeout
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while len(self._arrived) < needed:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            received = self._pool.receive("stepping", remaining)
-            if received is None:
-                raise WorkerTimeoutError(
-                    f"recv() waited {timeout} s for {needed - len(self._arrived)} more workers' envs; workers "
-                    f"{sorted(self._in_flight)} are still stepping. Their envs stay in flight: call recv() again."
-                )
-            w, msg = received
-            if w in self._in_flight:
-                self._arrived.append((w, self._in_flight.pop(w), msg))
-        ready, self._arrived = self._arrived[:needed], self._arrived[needed:]
-        if not self._streaming_workers():
+        ready = self._first_ready.wait(self._pool, needed, self.timeout if timeout is None else timeout)
+        if not self._first_ready.streaming():
             self._state = AsyncState.DEFAULT
-        return self._first_ready_batch(ready)
-
-    def _first_ready_batch(
-        self, ready: list[tuple[int, str, Message]]
-    ) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any], np.ndarray]:
-        env_ids = np.concatenate([np.arange(self._slices[w].start, self._slices[w].stop) for w, _, _ in ready])
-        n = len(env_ids)
-        rewards, terminations, truncations = np.zeros(n), np.zeros(n, np.bool_), np.zeros(n, np.bool_)
-        infos: dict[str, Any] = {}
-        offset = 0
-        for w, what, msg in ready:
-            sl = self._slices[w]
-            rows = slice(offset, offset + sl.stop - sl.start)
-            self._write_slice(sl, msg, n_extra=3 if what == "step" else 0)
-            if what == "step":
-                rewards[rows], terminations[rows], truncations[rows] = msg.arrays[-3:]
-            records = self._pool.loads(msg.blobs[0]) if msg.blobs[0] else []
-            if what == "restarted":  # a replacement's fresh envs: the cut episodes end here
-                truncations[rows] = True
-                extra = dict(records)
-                records = [(i, {**extra.get(i, {}), WORKER_RESTARTED_KEY: True}) for i in range(rows.stop - rows.start)]
-            infos = replay_infos(infos, records, n, offset)
-            offset = rows.stop
-        if self._array_obs:
-            obs = unflatten(self.single_observation_space, [leaf[env_ids] for leaf in self._obs_leaves])
-        else:
-            obs = concatenate(self.single_observation_space, [self._env_obs[i] for i in env_ids], self._batch_obs(n))
-        return obs, rewards, terminations, truncations, infos, env_ids
-
-    def _streaming_workers(self) -> list[int]:
-        """Workers whose envs are in the first-ready API's hands: stepping, or replied and not yet recv()'d."""
-        return [*self._in_flight, *(w for w, _, _ in self._arrived)]
+        return self._first_ready.assemble(ready, self._buffers)
 
     def _reset_replacement_in_flight(self, worker_id: int) -> None:
-        """A restart hook: a replacement for a worker lost mid-``send`` is reset, and recv() reports the cut episodes."""
-        if worker_id in self._in_flight:
-            sl = self._slices[worker_id]
-            self._pool.send(worker_id, Kind.RESET, {"seeds": [None] * (sl.stop - sl.start), "mask": None})
-            self._in_flight[worker_id] = "restarted"
+        self._first_ready.reset_replacement(self._pool, worker_id)
 
     def _check_first_ready(self) -> None:
         if self._observation_mode != "same":
@@ -631,14 +454,6 @@ class ClusterEnv(VectorEnv):
                 "async_reset/send/recv batch any subset of envs, so they need observation_mode='same' "
                 "(one observation space for all envs)."
             )
-
-    def _action_space_for(self, n: int) -> Any:
-        if n not in self._action_spaces:
-            self._action_spaces[n] = batch_space(self.single_action_space, n)
-        return self._action_spaces[n]
-
-    def _batch_obs(self, n: int) -> Any:
-        return create_empty_array(self.single_observation_space, n=n, fn=np.zeros)
 
     # -- attributes ------------------------------------------------------------------------
     def call_async(self, name: str, *args: Any, **kwargs: Any) -> None:

@@ -49,6 +49,7 @@ __all__ = [
     "NONCE_BYTES",
     "PROTOCOL_VERSION",
     "ROLLOUT_FIELDS",
+    "STEP_FIELDS",
     "TRAILER_BYTES",
     "Kind",
     "Message",
@@ -116,6 +117,12 @@ class Kind(IntEnum):
 
 
 _KINDS = {int(kind): kind for kind in Kind}
+
+#: The arrays that follow the observation leaves in the RESULT of a STEP, in frame order. A RESULT's
+#: first blob holds the per-env info records (empty: none); for observations without an array form a
+#: second blob holds them pickled, and the observation leaves are absent (as they are for a worker
+#: that writes them into the learner's shared batch).
+STEP_FIELDS = ("rewards", "terminations", "truncations")
 
 #: The transition arrays of a ROLLOUT_RESULT, in frame order (``next_obs`` follows them). ``obs`` and
 #: ``next_obs`` take one frame per leaf of the observation space, in ``batching.leaf_arrays`` order.

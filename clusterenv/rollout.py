@@ -37,7 +37,8 @@ from gymnasium.vector import AutoresetMode
 
 from clusterenv.batch import RolloutBatch
 from clusterenv.batching import InfoRecord, leaf_specs, replay_infos, unflatten
-from clusterenv.env import WORKER_RESTARTED_KEY, ClusterEnv
+from clusterenv.buffers import WORKER_RESTARTED_KEY
+from clusterenv.env import ClusterEnv
 from clusterenv.errors import PolicyError, ProtocolError, WorkerTimeoutError
 from clusterenv.heads import Head, default_head
 from clusterenv.pool import WorkerPool, weak_callback

@@ -20,6 +20,7 @@ __all__ = [
     "check_actions",
     "check_attribute_name",
     "check_batch_size",
+    "check_choice",
     "check_env_fns",
     "check_num_workers",
     "check_procs_per_worker",
@@ -27,10 +28,35 @@ __all__ = [
     "check_reset_options",
     "check_seconds",
     "check_seeds",
+    "check_spaces",
     "per_env_values",
     "pickle_argument",
     "pickle_env_fn",
 ]
+
+
+def check_choice(name: str, value: Any, choices: Sequence[Any]) -> Any:
+    """``value``, if it is one of ``choices``."""
+    if value not in choices:
+        expected = " or ".join(map(repr, choices)) if len(choices) == 2 else f"one of {list(choices)}"
+        raise ValueError(f"`{name}` must be {expected}, got {value!r}.")
+    return value
+
+
+def check_spaces(
+    observation_spaces: list[spaces.Space], action_spaces: list[spaces.Space], observation_mode: str
+) -> None:
+    """All envs share env 0's action space, and its observation space under ``observation_mode='same'``."""
+    for i, space in enumerate(action_spaces):
+        if space != action_spaces[0]:
+            raise RuntimeError(f"Sub-environment {i} has action space {space}, but env 0 has {action_spaces[0]}.")
+    if observation_mode == "same":
+        for i, space in enumerate(observation_spaces):
+            if space != observation_spaces[0]:
+                raise RuntimeError(
+                    f"ClusterEnv(..., observation_mode='same') but env {i} has observation space {space} "
+                    f"and env 0 has {observation_spaces[0]}. Use observation_mode='different'."
+                )
 
 
 def check_seconds(name: str, value: Any, *, allow_none: bool) -> Any:

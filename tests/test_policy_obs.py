@@ -92,7 +92,7 @@ def test_dict_observations_reach_the_module_and_the_batch_as_step_mode_returns_t
     workers, procs, image_shape, caplog
 ):
     policy = DictPolicy(3, image_shape, seed=1)
-    caplog.set_level(logging.DEBUG, logger="clusterenv.env")
+    caplog.set_level(logging.DEBUG, logger="clusterenv.buffers")
     with rich_envs(4, workers, image_shape, procs_per_worker=procs) as envs:
         batch = PolicyRunner(envs, policy, head=Greedy(), seed=5).rollout(40)
     if image_shape == BIG_IMAGE:  # the workers' envs write into the learner's mapping; rollouts still copy per leaf

@@ -68,10 +68,10 @@ CASES.update({f"Dict(image, vector)-{mode.value}-2 procs": (True, mode, 2) for m
 def test_shared_observations_are_bit_identical_to_sync_vector_env(dict_obs, mode, procs, caplog):
     env_fn = functools.partial(ImageEnv, dict_obs)
     reference = SyncVectorEnv([env_fn] * 5, autoreset_mode=mode)
-    with caplog.at_level(logging.DEBUG, logger="clusterenv.env"):
+    with caplog.at_level(logging.DEBUG, logger="clusterenv.buffers"):
         candidate = ClusterEnv([env_fn] * 5, num_workers=2, autoreset_mode=mode, procs_per_worker=procs)
     with candidate:
-        assert isinstance(shared_buffer(candidate._observations), mmap.mmap), "expected the shared-memory path"
+        assert isinstance(shared_buffer(candidate._buffers.observations), mmap.mmap), "expected the shared-memory path"
         assert "Workers [0, 1] write observations into shared memory" in caplog.text
         episodes = run_lockstep(reference, candidate, steps=200, seed=7)
     reference.close()
@@ -81,7 +81,7 @@ def test_shared_observations_are_bit_identical_to_sync_vector_env(dict_obs, mode
 def test_small_observations_travel_as_frames():
     assert 2 * bytes_per_env(gym.make("CartPole-v1").observation_space) < SHARED_OBS_MIN_BYTES
     with ClusterEnv([lambda: gym.make("CartPole-v1")] * 4, num_workers=2) as envs:
-        assert not isinstance(envs._observations.base, mmap.mmap)
+        assert not isinstance(envs._buffers.observations.base, mmap.mmap)
 
 
 def test_the_shared_file_is_removed_once_workers_have_mapped_it():

@@ -1,0 +1,154 @@
+"""``BatchBuffers``: the learner's batch, written in place one worker slice at a time.
+
+Array observations are written leaf by leaf into one batch (which may be memory the
+workers on this host write directly, see ``shared_obs``); observations without a fixed
+array form arrive pickled per env and are concatenated. Infos are replayed through
+Gymnasium's own ``_add_info`` in env order, so the batch is what one ``SyncVectorEnv``
+over all the envs would have returned.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Callable, Iterable
+from copy import deepcopy
+from typing import Any
+
+import numpy as np
+from gymnasium import spaces
+from gymnasium.vector.utils import concatenate, create_empty_array, iterate
+
+from clusterenv import shared_obs
+from clusterenv.batching import is_array_tree, leaf_arrays, replay_infos, unflatten
+from clusterenv.pool import WorkerPool
+from clusterenv.protocol import STEP_FIELDS, Kind, Message
+
+__all__ = ["WORKER_RESTARTED_KEY", "BatchBuffers", "share_with_local_workers"]
+
+logger = logging.getLogger(__name__)
+
+#: The info key (with its ``_`` mask) flagging envs whose episode a worker restart cut short.
+WORKER_RESTARTED_KEY = "worker_restarted"
+
+
+class BatchBuffers:
+    """The observation, reward and done arrays of ``num_envs`` envs, filled from worker replies.
+
+    Attributes:
+        observations: the batched observations (``observation_space``'s batch form).
+        rewards, terminations, truncations: ``(num_envs,)`` float64 / bool / bool.
+    """
+
+    def __init__(
+        self,
+        space: spaces.Space,
+        batch_space: spaces.Space,
+        num_envs: int,
+        loads: Callable[[bytes], Any],
+        observations: Any = None,
+    ) -> None:
+        self.space = space
+        self.batch_space = batch_space
+        self.num_envs = num_envs
+        self.array_obs = is_array_tree(space)
+        #: Unpickles workers' blobs (restricted for workers the learner did not start).
+        self.loads = loads
+        self.observations = create_empty_array(space, n=num_envs, fn=np.zeros) if observations is None else observations
+        self._leaves = leaf_arrays(space, self.observations) if self.array_obs else []
+        self._env_obs: list[Any] = [None] * num_envs
+        self.rewards = np.zeros((num_envs,), dtype=np.float64)
+        self.terminations = np.zeros((num_envs,), dtype=np.bool_)
+        self.truncations = np.zeros((num_envs,), dtype=np.bool_)
+
+    def write_observations(self, sl: slice, msg: Message, n_extra: int) -> None:
+        """Write one worker's observations (all but its last ``n_extra`` arrays) into the batch."""
+        if not self.array_obs:
+            self._env_obs[sl] = self.loads(msg.blobs[1])
+            return
+        obs_arrays = msg.arrays[: len(msg.arrays) - n_extra]
+        if obs_arrays:  # else the worker wrote its slice into the shared batch
+            for leaf, part in zip(self._leaves, obs_arrays, strict=True):
+                leaf[sl] = part
+
+    def collect(self, replies: Iterable[tuple[slice, Message]], step: bool) -> dict[str, Any]:
+        """Write each ``(slice, reply)`` (in env order) into the batch and return the infos, replayed in env order."""
+        infos: dict[str, Any] = {}
+        for sl, msg in replies:
+            self.write_observations(sl, msg, len(STEP_FIELDS) if step else 0)
+            if step:
+                self.rewards[sl], self.terminations[sl], self.truncations[sl] = msg.arrays[-len(STEP_FIELDS) :]
+            if msg.blobs[0]:
+                infos = replay_infos(infos, self.loads(msg.blobs[0]), self.num_envs, sl.start)
+        self.finish()
+        return infos
+
+    def finish(self) -> None:
+        """Concatenate per-env observations after a round of writes (array observations need nothing)."""
+        if not self.array_obs:
+            self.observations = concatenate(self.space, self._env_obs, self.observations)  # type: ignore[arg-type]
+
+    def observation_batch(self, copy: bool) -> Any:
+        """The batch as ``reset``/``step`` return it: a fresh copy, or with ``copy=False`` the buffer itself."""
+        if not copy:
+            return self.observations
+        if type(self.observations) is np.ndarray and self.observations.dtype != object:
+            return self.observations.copy()  # what deepcopy does for a numeric array, without its memo bookkeeping
+        return deepcopy(self.observations)
+
+    def last_observations(self, sl: slice) -> list[Any]:
+        """Copies of the observations of envs ``sl``, one per env (the ``final_obs`` of cut episodes)."""
+        every = list(iterate(self.batch_space, self.observations)) if self.array_obs else self._env_obs
+        return [deepcopy(obs) for obs in every[sl]]
+
+    def cut_short(self, infos: dict[str, Any], sl: slice, reset: Message | None) -> dict[str, Any]:
+        """Report the episodes of envs ``sl``, cut short by a worker restart, as truncations.
+
+        Reward 0, ``terminated=False``, ``truncated=True`` and ``infos["worker_restarted"]``. With
+        the replacement's ``reset`` reply (SAME_STEP) its observations start the new episode
+        here, ``final_obs`` is the last observation received and ``final_info`` empty.
+        """
+        self.rewards[sl], self.terminations[sl], self.truncations[sl] = 0.0, False, True
+        extra: list[dict[str, Any]] = [{} for _ in range(sl.stop - sl.start)]
+        if reset is not None:
+            final_obs = self.last_observations(sl)
+            self.write_observations(sl, reset, n_extra=0)
+            reset_infos: dict[int, dict[str, Any]] = dict(self.loads(reset.blobs[0])) if reset.blobs[0] else {}
+            for i in range(len(extra)):
+                extra[i] = {"final_obs": final_obs[i], "final_info": {}, **reset_infos.get(i, {})}
+        records = [(i, {**info, WORKER_RESTARTED_KEY: True}) for i, info in enumerate(extra)]
+        return replay_infos(infos, records, self.num_envs, sl.start)
+
+    def rows(self, env_ids: np.ndarray) -> Any:
+        """A fresh batch of the observations of envs ``env_ids``, in that order (first-ready batches)."""
+        if self.array_obs:
+            return unflatten(self.space, [leaf[env_ids] for leaf in self._leaves])
+        empty: Any = create_empty_array(self.space, n=len(env_ids), fn=np.zeros)
+        return concatenate(self.space, [self._env_obs[i] for i in env_ids], empty)
+
+
+def share_with_local_workers(pool: WorkerPool, space: spaces.Space, slices: list[slice], timeout: float) -> Any:
+    """A batch in memory shared with the workers on this host, if observations are large enough to pay; else None.
+
+    Workers that map it write their slices there and leave them out of their replies
+    (see ``shared_obs``); the others, and any replacement worker, keep sending frames.
+    """
+    if not is_array_tree(space):
+        return None
+    if min(sl.stop - sl.start for sl in slices) * shared_obs.bytes_per_env(space) < shared_obs.SHARED_OBS_MIN_BYTES:
+        return None
+    host = socket.gethostname()
+    local = [w for w in range(len(slices)) if pool.host(w) == host]
+    if not local:
+        return None
+    shared = shared_obs.SharedObservations(space, slices[-1].stop)
+    try:
+        pool.new_call()
+        for w in local:
+            pool.send(w, Kind.SHARE_OBS, shared.meta(slices[w].start, slices[w].stop))
+        replies = pool.gather(local, "mapping shared observations", timeout)
+    finally:
+        shared.unlink()
+    attached = sorted(w for w, reply in replies.items() if reply.meta.get("attached"))
+    logger.debug("Workers %s write observations into shared memory at %s.", attached, shared.path)
+    return shared.observations

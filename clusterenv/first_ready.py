@@ -1,0 +1,130 @@
+"""First-ready batches (EnvPool's ``async_reset``/``send``/``recv``): which workers step, which replied.
+
+A worker's envs are in one of three hands: the caller's (``recv`` returned them), in flight
+(``send`` or ``async_reset`` gave them work), or arrived (replied, waiting for ``recv``).
+``recv`` returns the envs of the first workers to reply, whole workers at a time, so that
+each env's trajectory is exactly that of the env stepped alone.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from clusterenv.batching import replay_infos
+from clusterenv.buffers import WORKER_RESTARTED_KEY, BatchBuffers
+from clusterenv.errors import WorkerTimeoutError
+from clusterenv.pool import WorkerPool
+from clusterenv.protocol import STEP_FIELDS, Kind, Message
+
+__all__ = ["FirstReady", "Ready"]
+
+#: What ``recv`` returns: ``(obs, rewards, terminations, truncations, infos, env_ids)``.
+Ready = tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any], np.ndarray]
+
+
+def _rows(leaf: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``leaf[rows]``, as a view when the rows are consecutive (the usual case: env_ids as recv() gave them)."""
+    start = int(rows[0])
+    if len(rows) == 1 or (rows[-1] - start == len(rows) - 1 and (len(rows) == 2 or (np.diff(rows) == 1).all())):
+        return leaf[start : start + len(rows)]
+    return leaf[rows]
+
+
+class FirstReady:
+    """The first-ready bookkeeping of one ``ClusterEnv``: in-flight and arrived workers."""
+
+    def __init__(self, slices: list[slice], num_envs: int) -> None:
+        self._slices = slices
+        self._num_envs = num_envs
+        self._env_worker = np.repeat(np.arange(len(slices)), [sl.stop - sl.start for sl in slices])
+        #: Workers given work, and what: ``"reset"``, ``"step"`` or ``"restarted"`` (a replacement's reset).
+        self.in_flight: dict[int, str] = {}
+        self._arrived: list[tuple[int, str, Message]] = []
+
+    def streaming(self) -> list[int]:
+        """Workers whose envs are not in the caller's hands: stepping, or replied and not yet recv()'d."""
+        return [*self.in_flight, *(w for w, _, _ in self._arrived)]
+
+    def envs_in_flight(self) -> int:
+        """How many envs :meth:`streaming` workers step."""
+        return sum(self._slices[w].stop - self._slices[w].start for w in self.streaming())
+
+    def step_commands(self, leaves: list[np.ndarray], env_ids: np.ndarray, workers: list[int]) -> dict[int, Any]:
+        """The STEP command of each of ``workers``, whose envs ``env_ids`` names; ``leaves[k][j]`` is env ``env_ids[j]``'s."""
+        position = np.full(self._num_envs, -1)
+        position[env_ids] = np.arange(len(env_ids))
+        rows = [position[self._slices[w]] for w in workers]
+        return {w: (None, [_rows(leaf, r) for leaf in leaves], ()) for w, r in zip(workers, rows, strict=True)}
+
+    def check_env_ids(self, env_ids: Any) -> tuple[np.ndarray, list[int]]:
+        """``env_ids`` as an index array and its workers, if it names whole workers' envs that recv() returned."""
+        env_ids = np.asarray(env_ids)
+        if env_ids.ndim != 1 or env_ids.dtype.kind not in "iu" or not len(env_ids):
+            raise ValueError(f"`env_ids` must be a non-empty 1-d array of env indices, got {env_ids!r}.")
+        if env_ids.min() < 0 or env_ids.max() >= self._num_envs or len(np.unique(env_ids)) != len(env_ids):
+            raise ValueError(f"`env_ids` must be distinct indices in [0, {self._num_envs}), got {env_ids.tolist()}.")
+        workers = np.unique(self._env_worker[env_ids]).tolist()
+        busy = sorted(set(workers).intersection(self.streaming()))
+        if busy:
+            raise ValueError(
+                f"`env_ids` include envs of workers {busy} whose last results recv() has not returned yet: "
+                "send() takes the envs that recv() returned."
+            )
+        given = set(env_ids.tolist())
+        for w in workers:
+            sl = self._slices[w]
+            if not given.issuperset(range(sl.start, sl.stop)):
+                raise ValueError(
+                    f"`env_ids` must hold whole workers' envs, as recv() returns them: worker {w} steps "
+                    f"envs {sl.start}..{sl.stop - 1}, but only some of them were given."
+                )
+        return env_ids, workers
+
+    def wait(self, pool: WorkerPool, needed: int, timeout: float | None) -> list[tuple[int, str, Message]]:
+        """The replies of the first ``needed`` workers to be ready, in the order they replied."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while len(self._arrived) < needed:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            received = pool.receive("stepping", remaining)
+            if received is None:
+                raise WorkerTimeoutError(
+                    f"recv() waited {timeout} s for {needed - len(self._arrived)} more workers' envs; workers "
+                    f"{sorted(self.in_flight)} are still stepping. Their envs stay in flight: call recv() again."
+                )
+            w, msg = received
+            if w in self.in_flight:
+                self._arrived.append((w, self.in_flight.pop(w), msg))
+        ready, self._arrived = self._arrived[:needed], self._arrived[needed:]
+        return ready
+
+    def assemble(self, ready: list[tuple[int, str, Message]], buffers: BatchBuffers) -> Ready:
+        """The batch ``recv`` returns for the ``ready`` workers' envs, rows in reply order."""
+        env_ids = np.concatenate([np.arange(self._slices[w].start, self._slices[w].stop) for w, _, _ in ready])
+        n = len(env_ids)
+        rewards, terminations, truncations = np.zeros(n), np.zeros(n, np.bool_), np.zeros(n, np.bool_)
+        infos: dict[str, Any] = {}
+        offset = 0
+        for w, what, msg in ready:
+            sl = self._slices[w]
+            rows = slice(offset, offset + sl.stop - sl.start)
+            buffers.write_observations(sl, msg, n_extra=len(STEP_FIELDS) if what == "step" else 0)
+            if what == "step":
+                rewards[rows], terminations[rows], truncations[rows] = msg.arrays[-len(STEP_FIELDS) :]
+            records = buffers.loads(msg.blobs[0]) if msg.blobs[0] else []
+            if what == "restarted":  # a replacement's fresh envs: the cut episodes end here
+                truncations[rows] = True
+                extra = dict(records)
+                records = [(i, {**extra.get(i, {}), WORKER_RESTARTED_KEY: True}) for i in range(rows.stop - rows.start)]
+            infos = replay_infos(infos, records, n, offset)
+            offset = rows.stop
+        return buffers.rows(env_ids), rewards, terminations, truncations, infos, env_ids
+
+    def reset_replacement(self, pool: WorkerPool, worker_id: int) -> None:
+        """A restart hook: a replacement for a worker lost mid-``send`` is reset, and recv() reports the cut episodes."""
+        if worker_id in self.in_flight:
+            sl = self._slices[worker_id]
+            pool.send(worker_id, Kind.RESET, {"seeds": [None] * (sl.stop - sl.start), "mask": None})
+            self.in_flight[worker_id] = "restarted"
