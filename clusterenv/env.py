@@ -413,16 +413,15 @@ class ClusterEnv(VectorEnv):
             raise ResetNeeded("Cannot call `send` before a reset: call async_reset() (or reset()) first.")
         if self._action_specs is None:
             raise TypeError(f"Action space {self.single_action_space} has no fixed array form; it is not supported.")
-        env_ids, workers = self._first_ready.check_env_ids(env_ids)
-        n = len(env_ids)
+        n, plan = self._first_ready.plan(env_ids)
         if n not in self._action_spaces:
             self._action_spaces[n] = batch_space(self.single_action_space, n)
         leaves = check_actions(actions, self._action_spaces[n], self._action_specs, n)
         if not self._first_ready.streaming():
             self._begin(AsyncState.WAITING_STEP)
             self._state = AsyncState.WAITING_STEP
-        self._pool.send_each(Kind.STEP, self._first_ready.step_commands(leaves, env_ids, workers))
-        self._first_ready.in_flight.update(dict.fromkeys(workers, "step"))
+        self._pool.send_each(Kind.STEP, self._first_ready.step_commands(leaves, plan))
+        self._first_ready.in_flight.update((w, "step") for w, _ in plan)
 
     def recv(self, timeout: float | None = None) -> Ready:
         """The results of the first ``batch_size`` envs to be ready: ``(obs, rewards, terminations, truncations, infos, env_ids)``.

@@ -25,12 +25,19 @@ __all__ = ["FirstReady", "Ready"]
 Ready = tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any], np.ndarray]
 
 
-def _rows(leaf: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """``leaf[rows]``, as a view when the rows are consecutive (the usual case: env_ids as recv() gave them)."""
+#: Which rows of a send()'s actions each worker steps: ``[(worker, rows)]``, ``rows`` a slice when consecutive.
+Plan = list[tuple[int, slice | np.ndarray]]
+
+
+def _as_rows(rows: np.ndarray) -> slice | np.ndarray:
+    """``rows`` as a slice when consecutive (the usual case: env_ids as recv() gave them), so leaves are sliced, not copied.
+
+    Rows holding -1 (envs not given) stay an array, for :meth:`FirstReady.plan` to refuse.
+    """
     start = int(rows[0])
-    if len(rows) == 1 or (rows[-1] - start == len(rows) - 1 and (len(rows) == 2 or (np.diff(rows) == 1).all())):
-        return leaf[start : start + len(rows)]
-    return leaf[rows]
+    if start >= 0 and (len(rows) == 1 or (rows[-1] - start == len(rows) - 1 and (np.diff(rows) == 1).all())):
+        return slice(start, start + len(rows))
+    return rows
 
 
 class FirstReady:
@@ -52,36 +59,36 @@ class FirstReady:
         """How many envs :meth:`streaming` workers step."""
         return sum(self._slices[w].stop - self._slices[w].start for w in self.streaming())
 
-    def step_commands(self, leaves: list[np.ndarray], env_ids: np.ndarray, workers: list[int]) -> dict[int, Any]:
-        """The STEP command of each of ``workers``, whose envs ``env_ids`` names; ``leaves[k][j]`` is env ``env_ids[j]``'s."""
-        position = np.full(self._num_envs, -1)
-        position[env_ids] = np.arange(len(env_ids))
-        rows = [position[self._slices[w]] for w in workers]
-        return {w: (None, [_rows(leaf, r) for leaf in leaves], ()) for w, r in zip(workers, rows, strict=True)}
-
-    def check_env_ids(self, env_ids: Any) -> tuple[np.ndarray, list[int]]:
-        """``env_ids`` as an index array and its workers, if it names whole workers' envs that recv() returned."""
+    def plan(self, env_ids: Any) -> tuple[int, Plan]:
+        """How many envs ``env_ids`` names and the :data:`Plan` of its send, if it names whole workers' envs that recv() returned."""
         env_ids = np.asarray(env_ids)
         if env_ids.ndim != 1 or env_ids.dtype.kind not in "iu" or not len(env_ids):
             raise ValueError(f"`env_ids` must be a non-empty 1-d array of env indices, got {env_ids!r}.")
         if env_ids.min() < 0 or env_ids.max() >= self._num_envs or len(np.unique(env_ids)) != len(env_ids):
             raise ValueError(f"`env_ids` must be distinct indices in [0, {self._num_envs}), got {env_ids.tolist()}.")
+        position = np.full(self._num_envs, -1)  # -1: an env of a worker whose other envs were not given
+        position[env_ids] = np.arange(len(env_ids))
         workers = np.unique(self._env_worker[env_ids]).tolist()
+        plan = [(w, _as_rows(position[self._slices[w]])) for w in workers]
         busy = sorted(set(workers).intersection(self.streaming()))
         if busy:
             raise ValueError(
                 f"`env_ids` include envs of workers {busy} whose last results recv() has not returned yet: "
                 "send() takes the envs that recv() returned."
             )
-        given = set(env_ids.tolist())
-        for w in workers:
-            sl = self._slices[w]
-            if not given.issuperset(range(sl.start, sl.stop)):
+        for w, rows in plan:
+            if isinstance(rows, np.ndarray) and (rows < 0).any():
+                sl = self._slices[w]
                 raise ValueError(
                     f"`env_ids` must hold whole workers' envs, as recv() returns them: worker {w} steps "
                     f"envs {sl.start}..{sl.stop - 1}, but only some of them were given."
                 )
-        return env_ids, workers
+        return len(env_ids), plan
+
+    @staticmethod
+    def step_commands(leaves: list[np.ndarray], plan: Plan) -> dict[int, Any]:
+        """The STEP command of each worker in ``plan``; ``leaves`` are the checked actions, one row per env."""
+        return {w: (None, [leaf[rows] for leaf in leaves], ()) for w, rows in plan}
 
     def wait(self, pool: WorkerPool, needed: int, timeout: float | None) -> list[tuple[int, str, Message]]:
         """The replies of the first ``needed`` workers to be ready, in the order they replied."""
@@ -118,7 +125,8 @@ class FirstReady:
                 truncations[rows] = True
                 extra = dict(records)
                 records = [(i, {**extra.get(i, {}), WORKER_RESTARTED_KEY: True}) for i in range(rows.stop - rows.start)]
-            infos = replay_infos(infos, records, n, offset)
+            if records:
+                infos = replay_infos(infos, records, n, offset)
             offset = rows.stop
         return buffers.rows(env_ids), rewards, terminations, truncations, infos, env_ids
 

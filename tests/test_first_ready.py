@@ -125,12 +125,17 @@ def test_gymnasium_calls_wait_until_every_env_is_back_and_then_work_again():
         first = envs.recv()[-1]
         with pytest.raises(ValueError, match="whose last results recv\\(\\) has not returned yet"):
             envs.send(np.zeros(2, dtype=np.int64), [i for i in range(4) if i not in first])
-        with pytest.raises(ValueError, match="whole workers' envs"):
-            envs.send(np.zeros(1, dtype=np.int64), first[:1])
+        for part in first[:1], first[1:]:
+            with pytest.raises(ValueError, match="whole workers' envs"):
+                envs.send(np.zeros(1, dtype=np.int64), part)
         with pytest.raises(ValueError, match=r"Actions must have shape \(2,\)"):
             envs.send(np.zeros(3, dtype=np.int64), first)
         with pytest.raises(AlreadyPendingCallError, match="Cannot change `batch_size` while envs are in flight"):
             envs.batch_size = 4
+        envs.send(np.zeros(2, dtype=np.int64), first)
+        with pytest.raises(ValueError, match="whose last results recv\\(\\) has not returned yet"):
+            envs.send(np.zeros(2, dtype=np.int64), first)  # the same envs twice
+        envs.recv()
         envs.recv()
         with pytest.raises(NoAsyncCallError, match="only 0 are in flight"):
             envs.recv()
