@@ -38,8 +38,9 @@ import zmq
 
 from clusterenv.cleanup import remove_stale_dirs
 from clusterenv.errors import RemoteEnvError, WorkerLostError, WorkerStartError, WorkerTimeoutError
+from clusterenv.heartbeat_monitor import HeartbeatMonitor
 from clusterenv.launch import Launcher, LocalLauncher, resolve_launcher
-from clusterenv.liveness import Heartbeat, HeartbeatMonitor, heartbeat_address
+from clusterenv.liveness import Heartbeat, heartbeat_address
 from clusterenv.protocol import Kind, Message
 from clusterenv.safe_pickle import loader
 from clusterenv.transport import Channel, Curve, is_loopback, resolve_secret

@@ -29,7 +29,8 @@ import zmq
 from gymnasium.vector import AutoresetMode
 
 from clusterenv.batching import is_array_tree, leaf_arrays, unflatten
-from clusterenv.liveness import LEARNER_LOST_EXIT_CODE, Heartbeat, HeartbeatClient
+from clusterenv.heartbeat_client import HeartbeatClient
+from clusterenv.liveness import LEARNER_LOST_EXIT_CODE, Heartbeat
 from clusterenv.protocol import Kind, Message
 from clusterenv.recording import RecordingVectorEnv, build, dumps, failing_env_index
 from clusterenv.transport import SECRET_ENV_VAR, Channel, Curve, new_identity, resolve_secret

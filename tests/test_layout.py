@@ -11,7 +11,18 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "clusterenv"
 WORKER_SIDE = ["worker", "worker_policy", "worker_procs", "env_process", "recording"]
-LEARNER_SIDE = {"env", "pool", "make", "launch", "ray_launcher", "rollout", "batch", "buffers", "first_ready"}
+LEARNER_SIDE = {
+    "env",
+    "pool",
+    "make",
+    "launch",
+    "ray_launcher",
+    "rollout",
+    "batch",
+    "buffers",
+    "first_ready",
+    "heartbeat_monitor",
+}
 
 
 def module_level_imports(module: str) -> set[str]:

@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 import clusterenv.protocol as protocol
 import clusterenv.transport as transport
 from clusterenv import AuthenticationError, ClusterEnv, ProtocolError, WorkerStartError
-from clusterenv.liveness import HEARTBEAT_MAX_BYTES, Heartbeat, HeartbeatMonitor
+from clusterenv.heartbeat_monitor import HeartbeatMonitor
+from clusterenv.liveness import HEARTBEAT_MAX_BYTES, Heartbeat
 from clusterenv.protocol import (
     _TRAILER,
     COALESCE_BYTES,
