@@ -270,6 +270,18 @@ class PolicyRunner:
         return self._version
 
     @property
+    def prefetch_backlog(self) -> list[tuple[int, int]]:
+        """Per worker, ``(held, in_flight)``: results received but not yet returned, and rollouts still being collected.
+
+        Both stay within ``prefetch`` beyond what :meth:`rollout`/:meth:`fragments` asked for; all zeros
+        without prefetching or after :meth:`stop`.
+        """
+        stream = self._stream
+        if stream is None:
+            return [(0, 0)] * self.envs.num_workers
+        return [(len(stream.results[w]), len(stream.sent[w])) for w in range(len(stream.sent))]
+
+    @property
     def telemetry(self) -> Telemetry:
         """A snapshot of the per-worker and total sync telemetry."""
         snapshot = copy.deepcopy(self._telemetry)

@@ -125,10 +125,9 @@ def test_at_most_prefetch_batches_are_held_when_the_learner_stops_asking():
         runner.rollout(4)
         time.sleep(1.0)  # ample time for the workers to finish all they were asked for
         runner.publish()  # reads what arrived
-        held = [len(results) for results in runner._stream.results]
-        in_flight = [len(runner._stream.sent[w]) for w in range(2)]
-        assert held == [2, 2] and in_flight == [0, 0]
+        assert runner.prefetch_backlog == [(2, 0), (2, 0)], "two results held per worker, nothing in flight"
         assert len(runner.stop()) == 2
+        assert runner.prefetch_backlog == [(0, 0), (0, 0)]
 
 
 def test_prefetching_holds_the_envs_until_stop():
