@@ -52,6 +52,8 @@ class Args:
     """runs per cell; the median is reported"""
     ratios: tuple[float, ...] = (0.5, 1.0, 2.0)
     """simulated update times U as multiples of the collection time C"""
+    torch_threads: int = 1
+    """the learner's torch threads, as in the examples (its probe forward passes are tiny; more threads contend with the workers)"""
 
 
 def actor() -> nn.Module:
@@ -88,6 +90,7 @@ def collection_time(args: Args) -> float:
 def main(args: Args) -> None:
     if args.quick:
         args = dataclasses.replace(args, rollouts=4, repeats=1)
+    torch.set_num_threads(args.torch_threads)
     collect_s = statistics.median(collection_time(args) for _ in range(args.repeats))
     cells: dict[str, list[float]] = {}
     jobs = [(ratio, prefetch) for _ in range(args.repeats) for ratio in args.ratios for prefetch in (0, 1)]
@@ -99,10 +102,11 @@ def main(args: Args) -> None:
         prefetched = statistics.median(cells[f"{ratio}:1"])
         ideal = (1 + ratio) / max(1.0, ratio)  # (C + U) / max(C, U)
         rows.append((ratio, lockstep, prefetched, prefetched / lockstep, ideal))
-    command = "python benchmarks/overlap.py" + (" --quick" if args.quick else "")
+    command = " ".join(["python benchmarks/overlap.py", *sys.argv[1:]])
     lines = [
         f"`{command}` — CartPole-v1, {args.num_envs} envs, {args.num_workers} workers, 64x64 MLP actor, "
-        f"T={args.num_steps}, C = {collect_s * 1000:.0f} ms per lockstep rollout; median of {args.repeats} "
+        f"T={args.num_steps}, C = {collect_s * 1000:.0f} ms per lockstep rollout, {args.torch_threads} torch thread(s) "
+        f"in the learner; median of {args.repeats} "
         f"(backends alternated); {os.cpu_count()} cores, Python {platform.python_version()}.",
         "",
         "| U / C | prefetch=0 steps/s | prefetch=1 steps/s | speed-up | limit (C+U)/max(C,U) |",
