@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -335,6 +336,11 @@ def lag_histogram(runs):
     return " / ".join(f"{100 * c / counts.sum():.0f}" for c in counts)
 
 
+def command_line() -> str:
+    """The command that produced the results: this one, less ``--plot-only`` (which only redraws them)."""
+    return " ".join(["python benchmarks/aps_sweep.py", *(a for a in sys.argv[1:] if a != "--plot-only")])
+
+
 def write_report(args, results):
     lines = [
         "# APS sweep: PPO with local policies on clusterenv workers",
@@ -342,10 +348,14 @@ def write_report(args, results):
         f"{len({r['seed'] for r in results})} seeds x {args.total_timesteps} env steps per run, {args.num_envs} envs on "
         f"{args.num_workers} workers, {args.num_steps} steps per rollout (one update per rollout), "
         f"{args.prefetch} rollouts prefetched per worker, PPO ratio "
-        f"against the {args.ratio} policy, learning rate {args.learning_rate} annealed. "
+        f"against the {args.ratio} policy, learning rate {args.learning_rate}"
+        f"{' annealed' if args.anneal_lr else ''}, gamma {args.gamma}, GAE lambda {args.gae_lambda}, "
+        f"{args.update_epochs} epochs x {args.num_minibatches} minibatches per update. "
         f"Final return: mean episodic training return over the last {args.final_fraction:.0%} of steps, "
         "mean ± std over seeds. Pulls and lag: per worker, mean over seeds. Bytes: all workers, weights pulled "
-        "(+ learner logits sent for KL checks). Produced by `benchmarks/aps_sweep.py`.",
+        "(+ learner logits sent for KL checks).",
+        "",
+        f"Produced by `{command_line()}`.",
         "",
     ]
     for env_id in sorted({r["env_id"] for r in results}):
