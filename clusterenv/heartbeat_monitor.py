@@ -7,7 +7,6 @@ merely because it is busy.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 
@@ -21,8 +20,6 @@ from clusterenv.liveness import (
 )
 from clusterenv.protocol import Kind, Session
 from clusterenv.transport import Channel, Curve
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["HeartbeatMonitor"]
 

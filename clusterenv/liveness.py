@@ -39,7 +39,6 @@ worker's ``heartbeat_client``.
 
 from __future__ import annotations
 
-import logging
 import secrets
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -57,8 +56,6 @@ __all__ = [
     "heartbeat_address",
     "monitor_events",
 ]
-
-logger = logging.getLogger(__name__)
 
 # Exit code of a worker that ended itself because its learner stopped answering.
 LEARNER_LOST_EXIT_CODE = 3
