@@ -37,7 +37,10 @@ if _typing.TYPE_CHECKING:
         TanhGaussian,
         default_head,
     )
+    from clusterenv.launch import ExternalLauncher, Launcher, LocalLauncher
+    from clusterenv.liveness import Heartbeat
     from clusterenv.make import make_vec
+    from clusterenv.ray_launcher import RayLauncher
     from clusterenv.rollout import PolicyRunner
     from clusterenv.sync import APS, EveryUpdate, FixedInterval, Never, SyncStrategy, Telemetry, WorkerTelemetry
 
@@ -72,6 +75,9 @@ _MODULE_OF = {
         "heads",
     ),
     "make_vec": "make",
+    **dict.fromkeys(["ExternalLauncher", "Launcher", "LocalLauncher"], "launch"),
+    "Heartbeat": "liveness",
+    "RayLauncher": "ray_launcher",
     "PolicyRunner": "rollout",
     "RolloutBatch": "batch",
     **dict.fromkeys(
@@ -88,15 +94,20 @@ __all__ = [
     "ClusterEnvError",
     "EpsilonGreedy",
     "EveryUpdate",
+    "ExternalLauncher",
     "FixedInterval",
     "Gaussian",
     "Greedy",
     "Head",
+    "Heartbeat",
+    "Launcher",
+    "LocalLauncher",
     "MultiCategorical",
     "Never",
     "PolicyError",
     "PolicyRunner",
     "ProtocolError",
+    "RayLauncher",
     "RemoteEnvError",
     "RolloutBatch",
     "SyncStrategy",

@@ -9,14 +9,26 @@ are not array trees: their values are pickled instead.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from gymnasium import spaces
 from gymnasium.vector import VectorEnv
+from gymnasium.vector.utils import iterate
 
-__all__ = ["InfoRecord", "is_array_tree", "leaf_arrays", "leaf_specs", "replay_infos", "split_evenly", "unflatten"]
+__all__ = [
+    "InfoRecord",
+    "batch_of_items",
+    "by_part",
+    "in_index_order",
+    "is_array_tree",
+    "leaf_arrays",
+    "leaf_specs",
+    "replay_infos",
+    "split_evenly",
+    "unflatten",
+]
 
 #: One env's info as a worker recorded it: ``(index within the worker's slice, info)``.
 InfoRecord = tuple[int, dict[str, Any]]
@@ -71,6 +83,49 @@ def unflatten(space: spaces.Space, leaves: list[np.ndarray]) -> Any:
         raise TypeError(f"Space {s} has no fixed array form; its values must be pickled.")
 
     return build(space)
+
+
+def batch_of_items(batch_space: spaces.Space, items: list[Any]) -> Any:
+    """A batched value of ``batch_space`` whose Gymnasium ``iterate`` yields exactly ``items``.
+
+    The inverse of ``iterate``, for actions without a fixed array form: the learner splits a
+    batch into the per-env items that ``SyncVectorEnv.step`` would hand each env, and a
+    worker rebuilds its part with this, so its envs receive those very objects (no cast, no
+    copy). It mirrors ``iterate``'s dispatch: a ``Dict`` or a ``Tuple`` of registered spaces
+    is iterated per part; anything else by plain iteration.
+    """
+    if isinstance(batch_space, spaces.Dict):
+        return {key: batch_of_items(s, [item[key] for item in items]) for key, s in batch_space.spaces.items()}
+    if isinstance(batch_space, spaces.Tuple) and all(type(s) in iterate.registry for s in batch_space):
+        return tuple(batch_of_items(s, [item[i] for item in items]) for i, s in enumerate(batch_space))
+    return list(items)
+
+
+def by_part(indices: list[int] | None, parts: Sequence[slice]) -> dict[int, list[int] | None]:
+    """Per part holding any of ``indices``, their indices within that part, in the order given.
+
+    ``parts`` are contiguous slices of the envs (workers' slices, or a worker's env
+    processes' parts); ``indices=None`` means every env of every part (``None`` for each).
+    """
+    if indices is None:
+        return dict.fromkeys(range(len(parts)))
+    grouped: dict[int, list[int]] = {}
+    for i in indices:
+        k = next(k for k, part in enumerate(parts) if part.start <= i < part.stop)
+        grouped.setdefault(k, []).append(i - parts[k].start)
+    return dict(grouped)
+
+
+def in_index_order(
+    indices: list[int] | None, parts: Sequence[slice], results: Mapping[int, Sequence[Any]]
+) -> list[Any]:
+    """Each part's results (for its :func:`by_part` indices) put back in the order of ``indices`` (``None``: env order)."""
+    if indices is None:
+        return [value for k in sorted(results) for value in results[k]]
+    value_of: dict[int, Any] = {}
+    for k, local in by_part(indices, parts).items():
+        value_of.update(zip((parts[k].start + i for i in local or ()), results[k], strict=True))
+    return [value_of[i] for i in indices]
 
 
 def split_evenly(num_envs: int, parts: int) -> list[slice]:

@@ -8,14 +8,16 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import cloudpickle
+import gymnasium
 import numpy as np
-from gymnasium import Env
+from gymnasium import Env, spaces
 from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError, ResetNeeded
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.async_vector_env import AsyncState
 from gymnasium.vector.utils import batch_differing_spaces, batch_space
 
-from clusterenv.batching import is_array_tree, leaf_specs, split_evenly
+from clusterenv.batching import by_part, in_index_order, is_array_tree, leaf_specs, split_evenly
 from clusterenv.buffers import WORKER_RESTARTED_KEY, BatchBuffers, share_with_local_workers
 from clusterenv.first_ready import FirstReady, Ready
 from clusterenv.launch import Launcher
@@ -23,12 +25,15 @@ from clusterenv.liveness import Heartbeat
 from clusterenv.pool import Command, WorkerPool, weak_callback
 from clusterenv.protocol import Kind, Message
 from clusterenv.validation import (
+    action_items,
     check_actions,
     check_attribute_name,
     check_batch_size,
     check_choice,
     check_env_fns,
+    check_indices,
     check_num_workers,
+    check_observation_mode,
     check_procs_per_worker,
     check_reset_options,
     check_seconds,
@@ -46,6 +51,29 @@ logger = logging.getLogger(__name__)
 _CLOSE_GRACE_S = 5.0
 
 
+def _worker_context(observation_space: spaces.Space | None) -> bytes:
+    """What every worker needs before it runs the factories: this process's env registry, and a given observation space.
+
+    A factory calling ``gym.make(id)`` must find ids that only this process registered
+    (``gym.register`` in the script, ``gym.register_envs(ale_py)``), as it would under
+    ``SyncVectorEnv``. Specs that cannot be pickled are left out (and logged).
+    """
+    registry = dict(gymnasium.registry)
+    try:
+        return cloudpickle.dumps({"registry": registry, "observation_space": observation_space})
+    except Exception:
+        logger.debug("Some env specs cannot be pickled; the others are sent one by one.")
+    picklable = {}
+    for env_id, spec in registry.items():
+        try:
+            cloudpickle.dumps(spec)
+        except Exception as exc:
+            logger.debug("Env id %r stays unknown to workers: its spec cannot be pickled (%s).", env_id, exc)
+            continue
+        picklable[env_id] = spec
+    return cloudpickle.dumps({"registry": picklable, "observation_space": observation_space})
+
+
 def _default_num_workers(num_envs: int) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(cores, num_envs))
@@ -61,7 +89,7 @@ class ClusterEnv(VectorEnv):
     autoreset mode. Actions and observations travel as raw array frames; env factories
     travel once, cloudpickled, after the worker has authenticated.
 
-    Example:
+    Examples:
         >>> import gymnasium as gym
         >>> from clusterenv import ClusterEnv
         >>> envs = ClusterEnv([lambda: gym.make("CartPole-v1")] * 4, num_workers=2)
@@ -79,7 +107,7 @@ class ClusterEnv(VectorEnv):
         procs_per_worker: int = 1,
         autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
         copy: bool = True,
-        observation_mode: str = "same",
+        observation_mode: str | tuple[spaces.Space, spaces.Space] = "same",
         timeout: float | None = 60.0,
         start_timeout: float = 120.0,
         bind: str | None = None,
@@ -104,7 +132,8 @@ class ClusterEnv(VectorEnv):
                 worker started with ``clusterenv-worker --procs N`` uses its own ``N``.
             autoreset_mode: Gymnasium's autoreset mode, applied inside the workers.
             copy: return fresh observation arrays from ``reset``/``step`` (else a reused buffer).
-            observation_mode: ``"same"`` or ``"different"``, as for ``SyncVectorEnv``.
+            observation_mode: ``"same"``, ``"different"``, or ``(observation_space, single_observation_space)``,
+                as for ``SyncVectorEnv``.
             timeout: seconds to wait for a reply before raising ``WorkerTimeoutError`` (None: forever).
                 A timeout closes the env: the late workers are still busy with a call whose
                 result nobody will read, so their envs are in an unknown state.
@@ -142,7 +171,7 @@ class ClusterEnv(VectorEnv):
         self.procs_per_worker = check_procs_per_worker(procs_per_worker)
         mode = autoreset_mode.value if isinstance(autoreset_mode, AutoresetMode) else autoreset_mode
         self.autoreset_mode = AutoresetMode(check_choice("autoreset_mode", mode, [m.value for m in AutoresetMode]))
-        check_choice("observation_mode", observation_mode, ["same", "different"])
+        observation_mode = check_observation_mode(observation_mode)
         self.copy = copy
         self.timeout = check_seconds("timeout", timeout, allow_none=True)
         start_timeout = check_seconds("start_timeout", start_timeout, allow_none=False)
@@ -153,8 +182,9 @@ class ClusterEnv(VectorEnv):
         self._slices = split_evenly(self.num_envs, num_workers)
         self._batch_size = check_batch_size(batch_size, self.num_envs, num_workers)
         self._first_ready = FirstReady(self._slices, self.num_envs)
-        self._action_spaces: dict[int, Any] = {}
         self._observation_mode = observation_mode
+        self._pending: list[int] = []  # the workers whose replies the pending call waits for
+        self._pending_indices: list[int] | None = None  # the envs a pending call_async asked, in order
 
         self._pool = WorkerPool(
             num_workers,
@@ -227,16 +257,18 @@ class ClusterEnv(VectorEnv):
             self._state, self._holder = AsyncState.DEFAULT, None
 
     # -- construction ----------------------------------------------------------------------
-    def _init_workers(self, pickled_fns: list[bytes], observation_mode: str, timeout: float) -> None:
+    def _init_workers(self, pickled_fns: list[bytes], observation_mode: Any, timeout: float) -> None:
+        custom = isinstance(observation_mode, tuple)
+        context = _worker_context(observation_mode[1] if custom else None)
         self._pool.new_call()
         for w, sl in enumerate(self._slices):
             meta = {
                 "env_offset": sl.start,
                 "autoreset_mode": self.autoreset_mode.value,
-                "observation_mode": observation_mode,
+                "observation_mode": "custom" if custom else observation_mode,
                 "procs_per_worker": self.procs_per_worker,
             }
-            self._pool.send_init(w, meta, pickled_fns[sl])
+            self._pool.send_init(w, meta, [context, *pickled_fns[sl]])
         replies = self._pool.gather(range(self.num_workers), "building envs", timeout)
         descriptions = [self._pool.loads(replies[w].blobs[0]) for w in range(self.num_workers)]
         obs_spaces = [s for d in descriptions for s in d["observation_spaces"]]
@@ -245,15 +277,18 @@ class ClusterEnv(VectorEnv):
         self.metadata = dict(descriptions[0]["metadata"])
         self.metadata["autoreset_mode"] = self.autoreset_mode
         self.render_mode = descriptions[0]["render_mode"]
-        check_spaces(obs_spaces, action_spaces, observation_mode)
-        self.single_observation_space = obs_spaces[0]
+        check_spaces(obs_spaces, action_spaces, "custom" if custom else observation_mode)
         self.single_action_space = action_spaces[0]
-        if observation_mode == "same":
+        if custom:  # each worker checked its envs against the given single space
+            self.observation_space, self.single_observation_space = observation_mode
+        elif observation_mode == "same":
+            self.single_observation_space = obs_spaces[0]
             self.observation_space = batch_space(self.single_observation_space, self.num_envs)
         else:
+            self.single_observation_space = obs_spaces[0]
             self.observation_space = batch_differing_spaces(obs_spaces)
         self.action_space = batch_space(self.single_action_space, self.num_envs)
-        same = observation_mode == "same"
+        same = observation_mode == "same" or custom
         shared = (
             share_with_local_workers(self._pool, self.single_observation_space, self._slices, timeout) if same else None
         )
@@ -283,7 +318,7 @@ class ClusterEnv(VectorEnv):
     def _end(self, state: AsyncState, name: str) -> None:
         self._assert_is_running()
         if self._state != state:
-            raise NoAsyncCallError(f"Calling `{name}` without any prior matching async call.", state.value)
+            raise NoAsyncCallError(f"Calling `{name}` without any prior call to `{state.value}_async`.", state.value)
 
     def _assert_is_running(self) -> None:
         if self.closed:
@@ -291,23 +326,35 @@ class ClusterEnv(VectorEnv):
 
     # -- reset -----------------------------------------------------------------------------
     def reset(
-        self, *, seed: int | list[int | None] | None = None, options: dict[str, Any] | None = None
+        self,
+        *,
+        seed: int | list[int | None] | None = None,
+        options: dict[str, Any] | Sequence[dict[str, Any] | None] | None = None,
     ) -> tuple[Any, dict[str, Any]]:
-        """Reset the envs (all, or those in ``options["reset_mask"]``), like ``SyncVectorEnv.reset``."""
+        """Reset the envs (all, or those in ``options["reset_mask"]``), like ``SyncVectorEnv.reset``.
+
+        ``options`` may also be a list with one options dict (or ``None``) per env, which
+        ``SyncVectorEnv`` cannot express: env ``i`` is then reset with ``options[i]``.
+        """
         self.reset_async(seed=seed, options=options)
         return self.reset_wait()
 
-    def reset_async(self, seed: int | list[int | None] | None = None, options: dict[str, Any] | None = None) -> None:
+    def reset_async(
+        self,
+        seed: int | list[int | None] | None = None,
+        options: dict[str, Any] | Sequence[dict[str, Any] | None] | None = None,
+    ) -> None:
         """Send the reset to the workers without waiting for the observations."""
         self._begin(AsyncState.WAITING_RESET)
         seeds = check_seeds(seed, self.num_envs)
         options, mask = check_reset_options(options, self.num_envs)
-        blobs = [] if options is None else [pickle_argument(options, "`options` of reset")]
-        commands: dict[int, Command] = {
-            w: ({"seeds": seeds[sl], "mask": None if mask is None else mask[sl].tolist()}, (), blobs)
-            for w, sl in enumerate(self._slices)
-            if mask is None or mask[sl].any()
-        }
+        commands: dict[int, Command] = {}
+        for w, sl in enumerate(self._slices):
+            if mask is not None and not mask[sl].any():
+                continue
+            mine = options[sl] if isinstance(options, list) else options
+            blobs = [] if mine is None else [pickle_argument(mine, "`options` of reset")]
+            commands[w] = ({"seeds": seeds[sl], "mask": None if mask is None else mask[sl].tolist()}, (), blobs)
         self._pool.send_each(Kind.RESET, commands)  # all or none: a partial reset would desynchronize the envs
         self._pending = list(commands)
         if mask is None:
@@ -335,12 +382,15 @@ class ClusterEnv(VectorEnv):
         if self._needs_reset:
             raise ResetNeeded("Cannot call `step` before `reset`: the environments have not been reset yet.")
         self._begin(AsyncState.WAITING_STEP)
-        if self._action_specs is None:
-            raise TypeError(f"Action space {self.single_action_space} has no fixed array form; it is not supported.")
-        leaves = check_actions(actions, self.action_space, self._action_specs, self.num_envs)
-        self._pool.send_each(
-            Kind.STEP, {w: (None, [leaf[sl] for leaf in leaves], ()) for w, sl in enumerate(self._slices)}
-        )
+        if self._action_specs is None:  # no fixed array form (Text, Graph, ...): each env's action, pickled
+            items = action_items(actions, self.action_space, self.num_envs)
+            commands: dict[int, Command] = {
+                w: (None, (), [pickle_argument(items[sl], "actions")]) for w, sl in enumerate(self._slices)
+            }
+        else:
+            leaves = check_actions(actions, self.single_action_space, self._action_specs, self.num_envs)
+            commands = {w: (None, [leaf[sl] for leaf in leaves], ()) for w, sl in enumerate(self._slices)}
+        self._pool.send_each(Kind.STEP, commands)
         self._pending = list(range(self.num_workers))
         self._state = AsyncState.WAITING_STEP
 
@@ -412,11 +462,12 @@ class ClusterEnv(VectorEnv):
         if self._needs_reset:
             raise ResetNeeded("Cannot call `send` before a reset: call async_reset() (or reset()) first.")
         if self._action_specs is None:
-            raise TypeError(f"Action space {self.single_action_space} has no fixed array form; it is not supported.")
+            raise TypeError(
+                f"send()/recv() need an action space with a fixed array form; {self.single_action_space} has "
+                "none. Use step(), which supports every space."
+            )
         n, plan = self._first_ready.plan(env_ids)
-        if n not in self._action_spaces:
-            self._action_spaces[n] = batch_space(self.single_action_space, n)
-        leaves = check_actions(actions, self._action_spaces[n], self._action_specs, n)
+        leaves = check_actions(actions, self.single_action_space, self._action_specs, n)
         if not self._first_ready.streaming():
             self._begin(AsyncState.WAITING_STEP)
             self._state = AsyncState.WAITING_STEP
@@ -448,48 +499,98 @@ class ClusterEnv(VectorEnv):
         self._first_ready.reset_replacement(self._pool, worker_id)
 
     def _check_first_ready(self) -> None:
-        if self._observation_mode != "same":
+        if self._observation_mode == "different":
             raise ValueError(
                 "async_reset/send/recv batch any subset of envs, so they need observation_mode='same' "
                 "(one observation space for all envs)."
             )
 
     # -- attributes ------------------------------------------------------------------------
+    # An exception raised by an attribute or a called method is the caller's business (SB3's
+    # ``has_attr`` probes with ``except AttributeError``): it is raised as its own type (also a
+    # ``RemoteEnvError``) and the envs stay usable, as with ``SyncVectorEnv``.
     def call_async(self, name: str, *args: Any, **kwargs: Any) -> None:
         """Ask every env for ``name`` (called with the arguments if it is callable)."""
+        self._call_async(None, check_attribute_name(name), args, kwargs, f"arguments of call({name!r})")
+
+    def _call_async(self, indices: list[int] | None, name: str | None, args: tuple, kwargs: dict, what: str) -> None:
         self._begin(AsyncState.WAITING_CALL)
-        name = check_attribute_name(name)
-        blob = pickle_argument((args, kwargs), f"arguments of call({name!r})")
-        self._pool.send_each(Kind.CALL, {w: ({"name": name}, (), [blob]) for w in range(self.num_workers)})
-        self._pending = list(range(self.num_workers))
+        blob = pickle_argument((args, kwargs), what)
+        commands: dict[int, Command] = {
+            w: ({"name": name, "indices": local}, (), [blob]) for w, local in by_part(indices, self._slices).items()
+        }
+        self._pool.send_each(Kind.CALL, commands)
+        self._pending, self._pending_indices = list(commands), indices
         self._state = AsyncState.WAITING_CALL
 
     def call_wait(self, timeout: float | None = None) -> tuple[Any, ...]:
         """The per-env results of a ``call_async``, in env order."""
         self._end(AsyncState.WAITING_CALL, "call_wait")
-        replies = self._pool.gather(self._pending, "calling", self.timeout if timeout is None else timeout)
-        self._state = AsyncState.DEFAULT
-        return tuple(value for w in range(self.num_workers) for value in self._pool.loads(replies[w].blobs[0]))
+        try:
+            replies = self._pool.gather(
+                self._pending, "calling", self.timeout if timeout is None else timeout, errors_close=False
+            )
+        finally:
+            self._state = AsyncState.DEFAULT
+        results = {w: self._pool.loads(reply.blobs[0]) for w, reply in replies.items()}
+        return tuple(in_index_order(self._pending_indices, self._slices, results))
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         """Call ``name`` on every env (or read it, if not callable); results in env order."""
         self.call_async(name, *args, **kwargs)
         return self.call_wait()
 
-    def get_attr(self, name: str) -> tuple[Any, ...]:
-        """Read attribute ``name`` of every env."""
-        return self.call(name)
+    def get_attr(self, name: str, indices: Any = None) -> tuple[Any, ...]:
+        """Read attribute ``name`` of every env, as ``SyncVectorEnv.get_attr`` does (a method is called).
 
-    def set_attr(self, name: str, values: list[Any] | tuple[Any, ...] | Any) -> None:
-        """Set attribute ``name`` on every env: one value each, or the same value for all."""
+        Args:
+            name: the attribute.
+            indices: only these envs (an int or ints; negative ones count from the end), in
+                this order; ``None``: all, in env order.
+        """
+        self._call_async(check_indices(indices, self.num_envs), check_attribute_name(name), (), {}, "get_attr")
+        return self.call_wait()
+
+    def apply(self, fn: Callable[[Env], Any], indices: Any = None) -> tuple[Any, ...]:
+        """``fn(env)`` for every env (or those in ``indices``), run in the env's own process; the results.
+
+        ``fn`` travels cloudpickled, like the env factories; its results travel back pickled. It
+        sees each env as its factory made it (wrappers included), e.g.
+        ``envs.apply(lambda env: env.spec.id)``.
+
+        Args:
+            fn: a picklable function of one env.
+            indices: only these envs (an int or ints; negative ones count from the end), in
+                this order; ``None``: all, in env order.
+        """
+        if not callable(fn):
+            raise TypeError(f"`fn` must be a callable taking one env, got {type(fn).__name__}.")
+        self._call_async(check_indices(indices, self.num_envs), None, (fn,), {}, "function given to apply()")
+        return self.call_wait()
+
+    def set_attr(self, name: str, values: list[Any] | tuple[Any, ...] | Any, indices: Any = None) -> None:
+        """Set attribute ``name`` on every env (or those in ``indices``): one value each, or the same value for all."""
         name = check_attribute_name(name)
-        values = per_env_values(values, self.num_envs)
+        chosen = check_indices(indices, self.num_envs)
+        values = per_env_values(values, self.num_envs if chosen is None else len(chosen))
+        value_of = dict(zip(range(self.num_envs) if chosen is None else chosen, values, strict=True))
         self._begin(AsyncState.WAITING_CALL)
-        blobs = [pickle_argument(list(values[sl]), f"values of set_attr({name!r})") for sl in self._slices]
-        self._pool.send_each(Kind.SET_ATTR, {w: ({"name": name}, (), [blob]) for w, blob in enumerate(blobs)})
+        commands: dict[int, Command] = {}
+        for w, local in by_part(chosen, self._slices).items():
+            sl = self._slices[w]
+            mine = (
+                [value_of[i] for i in range(sl.start, sl.stop)]
+                if local is None
+                else [value_of[sl.start + i] for i in local]
+            )
+            blob = pickle_argument(mine, f"values of set_attr({name!r})")
+            commands[w] = ({"name": name, "indices": local}, (), [blob])
+        self._pool.send_each(Kind.SET_ATTR, commands)
         self._state = AsyncState.WAITING_CALL
-        self._pool.gather(range(self.num_workers), "setting attributes", self.timeout)
-        self._state = AsyncState.DEFAULT
+        try:
+            self._pool.gather(commands, "setting attributes", self.timeout, errors_close=False)
+        finally:
+            self._state = AsyncState.DEFAULT
 
     def render(self) -> tuple[Any, ...] | None:
         """The frames rendered by every env, in env order."""
@@ -508,9 +609,16 @@ class ClusterEnv(VectorEnv):
     # -- shutdown --------------------------------------------------------------------------
     def close_extras(self, timeout: float | None = None, terminate: bool = False, **kwargs: Any) -> None:
         """Ask workers to close their envs and exit; kill those that do not within the grace period."""
+        pending = self._state is not AsyncState.DEFAULT and self._holder is None and not self._first_ready.streaming()
+        abandoned = self._state.value
+        self._state = AsyncState.DEFAULT
         self._pool.close(_CLOSE_GRACE_S if timeout is None else timeout, terminate=terminate)
+        if pending:
+            # As AsyncVectorEnv warns; after closing, so that under warnings-as-errors the workers are gone already.
+            gymnasium.logger.warn(f"Calling `close` while waiting for a pending call to `{abandoned}` to complete.")
 
     def _close_after_error(self, terminate: bool) -> None:
+        self._state = AsyncState.DEFAULT  # the failed call is over
         self.close(terminate=terminate)
 
     @property

@@ -27,8 +27,8 @@ import cloudpickle
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
-from clusterenv.batching import is_array_tree, unflatten
-from clusterenv.recording import RecordingVectorEnv, build, dumps, failing_env_index
+from clusterenv.batching import batch_of_items, is_array_tree, unflatten
+from clusterenv.recording import RecordingVectorEnv, build, dumps, failing_env_index, install_registry
 
 __all__ = ["main"]
 
@@ -44,8 +44,9 @@ class _ChildEnvs:
         self.envs: RecordingVectorEnv | None = None
         self.array_obs = True
 
-    def init(self, payload: tuple[list[bytes], str, str]) -> dict[str, Any]:
-        env_blobs, observation_mode, autoreset_mode = payload
+    def init(self, payload: tuple[list[bytes], Any, str, dict[str, Any]]) -> dict[str, Any]:
+        env_blobs, observation_mode, autoreset_mode, registry = payload
+        install_registry(registry)
         self.envs = build(env_blobs, observation_mode, AutoresetMode(autoreset_mode))
         self.array_obs = is_array_tree(self.envs.single_observation_space)
         return self.envs.description()
@@ -60,9 +61,22 @@ class _ChildEnvs:
         self.envs.reset(seed=seeds, options=options)
         return self._report(None)
 
+    def reset_each(self, payload: tuple[list[int | None], list[Any], Any]) -> tuple[Any, ...]:
+        assert self.envs is not None
+        self.envs.reset_each(*payload)
+        return self._report(None)
+
     def step(self, leaves: list[np.ndarray]) -> tuple[Any, ...]:
         assert self.envs is not None
-        _, rewards, terminations, truncations, _ = self.envs.step(unflatten(self.envs.action_space, leaves))
+        return self._stepped(unflatten(self.envs.single_action_space, leaves))
+
+    def step_items(self, items: list[Any]) -> tuple[Any, ...]:
+        assert self.envs is not None
+        return self._stepped(batch_of_items(self.envs.action_space, items))
+
+    def _stepped(self, actions: Any) -> tuple[Any, ...]:
+        assert self.envs is not None
+        _, rewards, terminations, truncations, _ = self.envs.step(actions)
         return self._report((rewards, terminations, truncations))
 
     def _report(self, arrays: tuple[np.ndarray, ...] | None) -> tuple[Any, ...]:
@@ -71,14 +85,13 @@ class _ChildEnvs:
         env_obs = None if self.array_obs else self.envs.env_observations()
         return arrays, self.envs.autoresetting(), records, env_obs
 
-    def call(self, payload: tuple[str, tuple[Any, ...], dict[str, Any]]) -> list[Any]:
+    def call(self, payload: tuple[list[int] | None, str | None, tuple[Any, ...], dict[str, Any]]) -> list[Any]:
         assert self.envs is not None
-        name, args, kwargs = payload
-        return list(self.envs.call(name, *args, **kwargs))
+        return self.envs.call_at(*payload)
 
-    def set_attr(self, payload: tuple[str, list[Any]]) -> None:
+    def set_attr(self, payload: tuple[list[int] | None, str, list[Any]]) -> None:
         assert self.envs is not None
-        self.envs.set_attr(*payload)
+        self.envs.set_attr_at(*payload)
 
     def mark_autoreset_pending(self, _: None) -> None:
         assert self.envs is not None
@@ -96,7 +109,9 @@ def _serve(conn: Connection) -> None:
         "init": state.init,
         "share": state.share,
         "reset": state.reset,
+        "reset_each": state.reset_each,
         "step": state.step,
+        "step_items": state.step_items,
         "call": state.call,
         "set_attr": state.set_attr,
         "mark_autoreset_pending": state.mark_autoreset_pending,

@@ -3,9 +3,11 @@
 The tree, so that callers can catch as broadly or narrowly as they need::
 
     ClusterEnvError
-    ├── RemoteEnvError        an environment raised inside a worker (remote traceback attached)
+    ├── RemoteEnvError        an environment raised inside a worker (remote traceback attached);
+    │                         each instance is also of the original exception's type
     ├── WorkerLostError       a worker process died or stopped answering heartbeats
-    ├── WorkerTimeoutError    a reply did not arrive within ``timeout`` (also a ``TimeoutError``)
+    ├── WorkerTimeoutError    a reply did not arrive within ``timeout`` (also a ``TimeoutError``
+    │                         and a ``multiprocessing.TimeoutError``, as ``AsyncVectorEnv`` raises)
     ├── WorkerStartError      workers could not be started or did not join in time
     ├── ProtocolError         a message could not be decoded
     │   └── AuthenticationError   a message failed its HMAC check
@@ -18,6 +20,8 @@ Gymnasium's own ``AlreadyPendingCallError``, ``NoAsyncCallError`` and
 
 from __future__ import annotations
 
+import builtins
+import multiprocessing
 import pickle
 
 __all__ = [
@@ -30,6 +34,8 @@ __all__ = [
     "WorkerLostError",
     "WorkerStartError",
     "WorkerTimeoutError",
+    "builtin_exception_type",
+    "remote_error_type",
 ]
 
 
@@ -40,7 +46,17 @@ class ClusterEnvError(Exception):
 class RemoteEnvError(ClusterEnvError):
     """An environment raised inside a worker.
 
+    What is raised is an instance of a subclass of both ``RemoteEnvError`` and the original
+    exception's type (see :func:`remote_error_type`), as Ray's ``RayTaskError`` does, so that
+    ``except ValueError`` catches a ``ValueError`` raised by a remote env exactly as it
+    would with ``SyncVectorEnv``, and ``except RemoteEnvError`` catches every remote error.
     The original exception, when it could be pickled, is attached as ``__cause__``.
+
+    Attributes:
+        env_index: the global index of the env that raised (``None``: not known).
+        worker_id: the worker that ran it.
+        exc_type: the name of the original exception's type.
+        remote_traceback: the traceback, formatted in the worker.
     """
 
     def __init__(
@@ -52,7 +68,8 @@ class RemoteEnvError(ClusterEnvError):
         exc_type: str,
         remote_traceback: str,
     ) -> None:
-        super().__init__(message)
+        # Not super(): the original type's __init__ may take other arguments (UnicodeDecodeError takes 5).
+        Exception.__init__(self, message)
         self.env_index = env_index
         self.worker_id = worker_id
         self.exc_type = exc_type
@@ -60,12 +77,46 @@ class RemoteEnvError(ClusterEnvError):
 
     def __reduce__(self) -> tuple:
         # The default reduction replays only ``args``; keep the keyword-only fields too (pytest-xdist, Ray).
-        return (_rebuild_remote_env_error, (type(self), self.args[0], self.__dict__))
+        # A per-type subclass is made at run time, so it travels as the original type it stands for.
+        return (_rebuild_remote_env_error, (getattr(type(self), "remote_type", None), self.args[0], self.__dict__))
 
 
-def _rebuild_remote_env_error(cls: type[RemoteEnvError], message: str, state: dict) -> RemoteEnvError:
+_REMOTE_TYPES: dict[type[BaseException], type[RemoteEnvError]] = {}
+
+
+def remote_error_type(original: type[BaseException] | None) -> type[RemoteEnvError]:
+    """The subclass of ``RemoteEnvError`` and ``original`` that a remote ``original`` is raised as.
+
+    One class per original type (cached), named ``RemoteEnvError[ValueError]``. Falls back
+    to plain ``RemoteEnvError`` when there is no original type, when it is not an
+    ``Exception`` subclass (``KeyboardInterrupt``, ``SystemExit`` must not be caught as env
+    errors), or when Python cannot combine the two classes.
+    """
+    if original is None or not issubclass(original, Exception) or issubclass(original, RemoteEnvError):
+        return RemoteEnvError
+    if original not in _REMOTE_TYPES:
+        try:
+            combined = type(
+                f"RemoteEnvError[{original.__name__}]",
+                (RemoteEnvError, original),
+                {"remote_type": original, "__module__": __name__, "__str__": RemoteEnvError.__str__},
+            )
+        except TypeError:  # e.g. an extension type that does not allow subclassing
+            return RemoteEnvError
+        _REMOTE_TYPES[original] = combined
+    return _REMOTE_TYPES[original]
+
+
+def builtin_exception_type(name: str) -> type[BaseException] | None:
+    """The built-in exception class called ``name`` (``"ValueError"``), if there is one."""
+    value = getattr(builtins, name, None)
+    return value if isinstance(value, type) and issubclass(value, BaseException) else None
+
+
+def _rebuild_remote_env_error(original: type[BaseException] | None, message: str, state: dict) -> RemoteEnvError:
+    cls = remote_error_type(original)
     error = cls.__new__(cls)
-    ClusterEnvError.__init__(error, message)
+    Exception.__init__(error, message)
     error.__dict__.update(state)
     return error
 
@@ -74,8 +125,12 @@ class WorkerLostError(ClusterEnvError):
     """A worker process exited, was killed, or stopped sending heartbeats."""
 
 
-class WorkerTimeoutError(ClusterEnvError, TimeoutError):
-    """A worker did not reply within the timeout."""
+class WorkerTimeoutError(ClusterEnvError, TimeoutError, multiprocessing.TimeoutError):
+    """A worker did not reply within the timeout.
+
+    Also a ``multiprocessing.TimeoutError``, which is what ``AsyncVectorEnv.step_wait(timeout=)``
+    raises, so code written against Gymnasium catches it unchanged.
+    """
 
 
 class WorkerStartError(ClusterEnvError):

@@ -3,16 +3,27 @@
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import gymnasium as gym
-from gymnasium import Env, Wrapper, error
+from gymnasium import Env, VectorizeMode, Wrapper, error
 from gymnasium.envs.registration import EnvSpec
 
 from clusterenv.env import ClusterEnv
 
 __all__ = ["make_vec"]
+
+logger = logging.getLogger(__name__)
+
+# ``AsyncVectorEnv`` arguments about its own subprocesses and pipes: ClusterEnv's workers make them moot.
+_ASYNC_ONLY_KWARGS = ("shared_memory", "context", "daemon")
+# Arguments that would change what runs in the workers: refused rather than silently dropped.
+_UNSUPPORTED_KWARGS = {
+    "worker": "a custom AsyncVectorEnv `worker` function replaces the code that runs the envs; ClusterEnv workers "
+    "run their own (use `launcher=` to choose where they run)",
+}
 
 
 def make_vec(
@@ -24,14 +35,24 @@ def make_vec(
 ) -> ClusterEnv:
     """Create a :class:`ClusterEnv` of ``num_envs`` copies of env ``id``.
 
-    Same arguments and meaning as :func:`gymnasium.make_vec`, except that there is no
-    ``vectorization_mode``: ``vector_kwargs`` go to :class:`ClusterEnv` (``num_workers``,
-    ``autoreset_mode``, ...), ``wrappers`` are applied to each env inside its worker, and
-    ``kwargs`` go to the env constructor. A ``vectorization_mode`` keyword is accepted and
-    ignored, so that a ``gymnasium.make_vec`` call needs no other change. The returned env's
+    Same arguments and meaning as :func:`gymnasium.make_vec`: ``vector_kwargs`` go to
+    :class:`ClusterEnv` (``num_workers``, ``autoreset_mode``, ...), ``wrappers`` are applied to
+    each env inside its worker, and ``kwargs`` go to the env constructor. The returned env's
     ``spec`` records all of this, so ``clusterenv.make_vec(envs.spec)`` makes the same envs again.
 
-    Example:
+    The envs behave exactly as under ``vectorization_mode="sync"`` (one ``SyncVectorEnv``
+    over all of them), whichever mode is given, so a ``gymnasium.make_vec`` call needs no
+    other change:
+
+    * ``"sync"``, ``"async"`` or none: the same. ``AsyncVectorEnv``'s own ``vector_kwargs``
+      (``shared_memory``, ``context``, ``daemon``) are accepted and have no effect; a custom
+      ``worker`` is refused.
+    * ``"vector_entry_point"`` is refused: it asks for the env's own vectorized
+      implementation (CartPole's ``CartPoleVectorEnv``), which runs in this process and
+      whose trajectories differ. Note that ``gymnasium.make_vec(id, n)`` without a mode
+      picks it when the env has one.
+
+    Examples:
         >>> import clusterenv
         >>> envs = clusterenv.make_vec("CartPole-v1", num_envs=4, vector_kwargs={"num_workers": 2})
         >>> envs
@@ -51,16 +72,17 @@ def make_vec(
     env_spec.kwargs = {}
     # The spec of a vector env made by make_vec records how it was made, so that it can be remade from it.
     num_envs = env_kwargs.pop("num_envs", num_envs)
-    env_kwargs.pop("vectorization_mode", None)
+    mode = env_kwargs.pop("vectorization_mode", None)
     vector_kwargs = env_kwargs.pop("vector_kwargs", vector_kwargs)
     wrappers = env_kwargs.pop("wrappers", wrappers)
     env_kwargs.update(kwargs)
-    env_kwargs.pop("vectorization_mode", None)
+    mode = env_kwargs.pop("vectorization_mode", mode)
+    _check_mode(env_spec.id, mode)
     if isinstance(num_envs, bool) or not isinstance(num_envs, int):
         raise TypeError(f"`num_envs` must be an integer, got {type(num_envs).__name__} ({num_envs!r}).")
     if num_envs < 1:
         raise ValueError(f"`num_envs` must be at least 1, got {num_envs}.")
-    vector_kwargs = dict(vector_kwargs or {})
+    vector_kwargs = _cluster_kwargs(vector_kwargs)
     wrappers = list(wrappers or [])
 
     def create_single_env() -> Env:
@@ -81,3 +103,32 @@ def make_vec(
         spec.kwargs["wrappers"] = wrappers
     envs.unwrapped.spec = spec
     return envs
+
+
+def _check_mode(env_id: str, mode: Any) -> None:
+    """Accept the modes whose semantics ClusterEnv reproduces; refuse the one it cannot."""
+    value = mode.value if isinstance(mode, VectorizeMode) else mode
+    if value in (None, "sync", "async", "clusterenv"):
+        return
+    if value == VectorizeMode.VECTOR_ENTRY_POINT.value:
+        raise ValueError(
+            f"clusterenv.make_vec({env_id!r}, vectorization_mode='vector_entry_point') is not supported: that mode "
+            "runs the env's own vectorized implementation in this process. clusterenv runs the single-env "
+            "implementation in workers, exactly as vectorization_mode='sync' would."
+        )
+    raise ValueError(f"`vectorization_mode` must be 'sync', 'async', a gymnasium.VectorizeMode or None, got {mode!r}.")
+
+
+def _cluster_kwargs(vector_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """``vector_kwargs`` as :class:`ClusterEnv` takes them: Sync's and Async's own arguments sorted out."""
+    kwargs = dict(vector_kwargs or {})
+    for name, reason in _UNSUPPORTED_KWARGS.items():
+        if name in kwargs:
+            raise ValueError(f"`vector_kwargs[{name!r}]` cannot be honoured: {reason}.")
+    for name in _ASYNC_ONLY_KWARGS:
+        if name in kwargs:
+            logger.debug(
+                "Ignoring AsyncVectorEnv's `%s=%r`: ClusterEnv runs the envs in its own workers.", name, kwargs[name]
+            )
+            del kwargs[name]
+    return kwargs

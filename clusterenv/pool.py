@@ -37,7 +37,14 @@ import numpy as np
 import zmq
 
 from clusterenv.cleanup import remove_stale_dirs
-from clusterenv.errors import RemoteEnvError, WorkerLostError, WorkerStartError, WorkerTimeoutError
+from clusterenv.errors import (
+    RemoteEnvError,
+    WorkerLostError,
+    WorkerStartError,
+    WorkerTimeoutError,
+    builtin_exception_type,
+    remote_error_type,
+)
 from clusterenv.heartbeat_monitor import HeartbeatMonitor
 from clusterenv.launch import Launcher, LocalLauncher, resolve_launcher
 from clusterenv.liveness import Heartbeat, heartbeat_address
@@ -312,6 +319,7 @@ class WorkerPool:
         doing: str,
         timeout: float | None,
         on_request: Callable[[int, Message], bool] | None = None,
+        errors_close: bool = True,
     ) -> dict[int, Message]:
         """One reply per worker to the current call; raises on a remote error, a lost worker or a timeout.
 
@@ -321,6 +329,9 @@ class WorkerPool:
             timeout: seconds for all replies (``None``: forever).
             on_request: may answer a mid-call request (a weight pull during a rollout) and
                 return True: that worker's final reply is then still to come.
+            errors_close: whether a remote error leaves the workers unusable (a failed step or
+                reset does); ``False`` for calls whose exception is the caller's business
+                (an attribute read), which leave every env as it was.
         """
         worker_ids = list(worker_ids)
         pending = set(worker_ids) - self._failed
@@ -348,7 +359,7 @@ class WorkerPool:
             if worker_id is None or msg.meta.get("seq") != self.seq:
                 continue  # a reply to a call that timed out earlier, or a stray peer
             if msg.kind is Kind.ERROR:
-                raise self._remote_error(worker_id, msg, doing)
+                raise self._remote_error(worker_id, msg, doing, close=errors_close)
             if on_request is not None and worker_id in pending and on_request(worker_id, msg):
                 continue
             if worker_id in pending:
@@ -437,10 +448,21 @@ class WorkerPool:
         last = self._last_sent.get(worker_id)
         return last is not None and last[0] is not Kind.INIT
 
-    def _remote_error(self, worker_id: int, msg: Message, doing: str) -> RemoteEnvError:
+    def _remote_error(self, worker_id: int, msg: Message, doing: str, close: bool = True) -> RemoteEnvError:
+        """The ``RemoteEnvError`` (also of the original exception's type) for an ERROR reply.
+
+        ``close``: the env's state is unknown after the error, so the workers are closed.
+        """
         meta = msg.meta
+        cause: BaseException | None = None
+        if msg.blobs:
+            try:
+                cause = self.loads(msg.blobs[0])
+            except Exception as exc:
+                logger.debug("Could not unpickle the remote exception: %s", exc)
+        original = type(cause) if isinstance(cause, BaseException) else builtin_exception_type(meta["exc_type"])
         where = f"env {meta['env_index']}" if meta.get("env_index") is not None else "an env"
-        error = RemoteEnvError(
+        error = remote_error_type(original)(
             f"{where} on worker {worker_id} raised {meta['exc_type']} while {doing}: {meta['message']}\n\n"
             f"Remote traceback:\n{meta['traceback']}",
             env_index=meta.get("env_index"),
@@ -448,12 +470,10 @@ class WorkerPool:
             exc_type=meta["exc_type"],
             remote_traceback=meta["traceback"],
         )
-        if msg.blobs:
-            try:
-                error.__cause__ = self.loads(msg.blobs[0])
-            except Exception as exc:
-                logger.debug("Could not unpickle the remote exception: %s", exc)
-        self.on_fatal(False)
+        if isinstance(cause, BaseException):
+            error.__cause__ = cause
+        if close:
+            self.on_fatal(False)
         return error
 
     def _replace(self, lost: list[int], replies: dict[int, Message], doing: str) -> None:

@@ -15,14 +15,16 @@ from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
+import gymnasium
 import numpy as np
+from gymnasium.envs.registration import EnvSpec
 from gymnasium.vector import SyncVectorEnv
-from gymnasium.vector.utils import concatenate, create_empty_array
+from gymnasium.vector.utils import batch_space, concatenate, create_empty_array
 
 from clusterenv import shared_obs
 from clusterenv.batching import InfoRecord, leaf_arrays
 
-__all__ = ["RecordingVectorEnv", "build", "dumps", "failing_env_index", "make_envs"]
+__all__ = ["RecordingVectorEnv", "build", "dumps", "failing_env_index", "install_registry", "make_envs"]
 
 
 class RecordingVectorEnv(SyncVectorEnv):
@@ -84,6 +86,49 @@ class RecordingVectorEnv(SyncVectorEnv):
         self.write_observations_into(view)
         return True
 
+    def reset_each(
+        self, seeds: list[int | None], options: list[dict[str, Any] | None], mask: Any = None
+    ) -> tuple[Any, dict[str, Any]]:
+        """Reset env ``i`` with ``seeds[i]`` and its own ``options[i]`` (only the envs in ``mask``, if given).
+
+        ``SyncVectorEnv.reset`` gives every env the same options; this is its masked reset with
+        per-env options (Stable-Baselines3's ``set_options`` takes a list), state for state.
+        """
+        selected = np.ones(self.num_envs, dtype=np.bool_) if mask is None else np.asarray(mask, dtype=np.bool_)
+        self._terminations[selected] = False
+        self._truncations[selected] = False
+        self._autoreset_envs[selected] = False
+        infos: dict[str, Any] = {}
+        for i, env in enumerate(self.envs):
+            if selected[i]:
+                self._env_obs[i], env_info = env.reset(seed=seeds[i], options=options[i])
+                infos = self._add_info(infos, env_info, i)
+        self._observations = concatenate(self.single_observation_space, self._env_obs, self._observations)
+        return self._observations, infos
+
+    def call_at(self, indices: list[int] | None, name: str | None, args: tuple, kwargs: dict[str, Any]) -> list[Any]:
+        """``call(name, *args, **kwargs)`` on the envs ``indices`` (``None``: all); ``name=None`` returns ``args[0](env)``."""
+        if indices is None and name is not None:
+            return list(self.call(name, *args, **kwargs))  # Gymnasium's own
+        results = []
+        for i in range(self.num_envs) if indices is None else indices:
+            env = self.envs[i]
+            if name is None:
+                results.append(args[0](env))
+            else:
+                function = env.get_wrapper_attr(name)
+                results.append(function(*args, **kwargs) if callable(function) else function)
+        return results
+
+    def set_attr_at(self, indices: list[int] | None, name: str, values: list[Any]) -> None:
+        """``set_attr(name, values)`` on the envs ``indices`` (``None``: all), one value each."""
+        if indices is None:
+            self.set_attr(name, values)  # Gymnasium's own
+            return
+        for i, value in zip(indices, values, strict=True):
+            env = self.envs[i]
+            env.set_wrapper_attr(name, value)
+
     def description(self) -> dict[str, Any]:
         """What the learner needs to know of these envs: per-env spaces, metadata and render mode."""
         return {
@@ -94,9 +139,27 @@ class RecordingVectorEnv(SyncVectorEnv):
         }
 
 
-def build(env_blobs: list[bytes], observation_mode: str, autoreset_mode: Any) -> RecordingVectorEnv:
-    """A RecordingVectorEnv over the envs that the pickled factories ``env_blobs`` make."""
+def install_registry(specs: dict[str, EnvSpec]) -> None:
+    """Know every env id the learner knew when it made the envs, before their factories run.
+
+    An id registered only in the learner (``gym.register`` in the script, or a package such
+    as ``ale_py`` registered there) would be unknown here, and a factory calling
+    ``gym.make(id)`` would fail; entry points stay strings, imported when the env is made.
+    """
+    for env_id, spec in specs.items():
+        if gymnasium.registry.get(env_id) != spec:
+            gymnasium.registry[env_id] = spec
+
+
+def build(env_blobs: list[bytes], observation_mode: Any, autoreset_mode: Any) -> RecordingVectorEnv:
+    """A RecordingVectorEnv over the envs that the pickled factories ``env_blobs`` make.
+
+    ``observation_mode`` is ``"same"``, ``"different"``, or a single observation space that
+    every env's observation batches into (``SyncVectorEnv``'s ``(batch space, single space)`` form).
+    """
     env_fns = [pickle.loads(blob) for blob in env_blobs]
+    if isinstance(observation_mode, gymnasium.Space):
+        observation_mode = (batch_space(observation_mode, len(env_fns)), observation_mode)
     envs = RecordingVectorEnv(
         [functools.partial(_identity, env) for env in make_envs(env_fns)],
         copy=False,
@@ -114,8 +177,18 @@ def failing_env_index(exc: BaseException) -> int | None:
     which raises on one that does not fit the observation space; the loop variable then
     names the last env, so the env whose observation does not fit is looked for instead.
     """
-    index_loops = {SyncVectorEnv.step.__code__, SyncVectorEnv.reset.__code__, make_envs.__code__}
-    env_loops = {SyncVectorEnv.call.__code__, SyncVectorEnv.set_attr.__code__}
+    index_loops = {
+        SyncVectorEnv.step.__code__,
+        SyncVectorEnv.reset.__code__,
+        RecordingVectorEnv.reset_each.__code__,
+        make_envs.__code__,
+    }
+    env_loops = {
+        SyncVectorEnv.call.__code__,
+        SyncVectorEnv.set_attr.__code__,
+        RecordingVectorEnv.call_at.__code__,
+        RecordingVectorEnv.set_attr_at.__code__,
+    }
     index = None
     caller: RecordingVectorEnv | None = None  # whose step/reset frame was just passed
     for frame, _ in traceback.walk_tb(exc.__traceback__):

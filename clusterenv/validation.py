@@ -6,23 +6,27 @@ wrong and what was expected, in Gymnasium's wording where Gymnasium has one.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import cloudpickle
 import numpy as np
 from gymnasium import Env, spaces
+from gymnasium.vector.utils import iterate
 
 from clusterenv.batching import leaf_arrays
 from clusterenv.protocol import MAX_HEADER_INT
 
 __all__ = [
+    "action_items",
     "check_actions",
     "check_attribute_name",
     "check_batch_size",
     "check_choice",
     "check_env_fns",
+    "check_indices",
     "check_num_workers",
+    "check_observation_mode",
     "check_procs_per_worker",
     "check_reset_mask",
     "check_reset_options",
@@ -43,20 +47,44 @@ def check_choice(name: str, value: Any, choices: Sequence[Any]) -> Any:
     return value
 
 
+def check_observation_mode(observation_mode: Any) -> str | tuple[spaces.Space, spaces.Space]:
+    """``"same"``, ``"different"`` or ``(observation_space, single_observation_space)``, as ``SyncVectorEnv`` takes it."""
+    if isinstance(observation_mode, tuple) and len(observation_mode) == 2:
+        if not all(isinstance(space, spaces.Space) for space in observation_mode):
+            raise TypeError(
+                "Expected both elements of observation_mode to be Spaces, got "
+                f"{type(observation_mode[0])} and {type(observation_mode[1])}"
+            )
+        return observation_mode
+    if isinstance(observation_mode, str) and observation_mode in ("same", "different"):
+        return observation_mode
+    raise ValueError(
+        "Invalid `observation_mode`, expected: 'same' or 'different' or tuple of single and batch observation "
+        f"space, actual got {observation_mode}"
+    )
+
+
 def check_spaces(
     observation_spaces: list[spaces.Space], action_spaces: list[spaces.Space], observation_mode: str
 ) -> None:
-    """All envs share env 0's action space, and its observation space under ``observation_mode='same'``."""
-    for i, space in enumerate(action_spaces):
-        if space != action_spaces[0]:
-            raise RuntimeError(f"Sub-environment {i} has action space {space}, but env 0 has {action_spaces[0]}.")
-    if observation_mode == "same":
-        for i, space in enumerate(observation_spaces):
-            if space != observation_spaces[0]:
-                raise RuntimeError(
-                    f"ClusterEnv(..., observation_mode='same') but env {i} has observation space {space} "
-                    f"and env 0 has {observation_spaces[0]}. Use observation_mode='different'."
-                )
+    """Every env's spaces fit env 0's, checked as ``SyncVectorEnv`` checks them, with its messages.
+
+    Each worker's ``SyncVectorEnv`` checks its own envs; this checks across workers.
+    """
+    single_observation_space, single_action_space = observation_spaces[0], action_spaces[0]
+    for observation_space, action_space in zip(observation_spaces, action_spaces, strict=True):
+        if observation_mode == "same" and observation_space != single_observation_space:
+            raise RuntimeError(
+                "SyncVectorEnv(..., observation_mode='same') however the sub-environments observation spaces are not "
+                f"equivalent. single_observation_space={single_observation_space}, sub-environment "
+                f"observation_space={observation_space}. If this is intentional, use `observation_mode='different'` "
+                "instead."
+            )
+        if action_space != single_action_space:
+            raise RuntimeError(
+                "Sub-environment action space doesn't make the `single_action_space`, "
+                f"action_space={action_space}, single_action_space={single_action_space}"
+            )
 
 
 def check_seconds(name: str, value: Any, *, allow_none: bool) -> Any:
@@ -202,12 +230,32 @@ def check_seeds(seed: Any, num_envs: int) -> list[int | None]:
     return [None if value is None else int(value) for value in seed]
 
 
-def check_reset_options(options: Any, num_envs: int) -> tuple[dict[str, Any] | None, np.ndarray | None]:
-    """``reset``'s ``options`` split into the options the envs get and the checked ``reset_mask`` (or None)."""
+def check_reset_options(
+    options: Any, num_envs: int
+) -> tuple[dict[str, Any] | list[dict[str, Any] | None] | None, np.ndarray | None]:
+    """``reset``'s ``options`` split into the options the envs get and the checked ``reset_mask`` (or None).
+
+    ``options`` is a dict for every env (as Gymnasium takes it), or a list or tuple of one
+    dict (or ``None``) per env.
+    """
     if options is None:
         return None, None
+    if isinstance(options, (list, tuple)):
+        if len(options) != num_envs:
+            raise ValueError(
+                f"If `options` are passed as a list, its length must match num_envs={num_envs}, "
+                f"got length={len(options)}."
+            )
+        for i, env_options in enumerate(options):
+            if env_options is not None and not isinstance(env_options, Mapping):
+                raise TypeError(f"`options[{i}]` must be a dict or None, got {type(env_options).__name__}.")
+            if env_options is not None and "reset_mask" in env_options:
+                raise ValueError("`reset_mask` applies to all envs: pass it in one options dict, not per env.")
+        return [None if o is None else dict(o) for o in options], None
     if not isinstance(options, Mapping):
-        raise TypeError(f"`options` must be a dict or None, got {type(options).__name__} ({options!r}).")
+        raise TypeError(
+            f"`options` must be a dict, a list of one dict per env, or None, got {type(options).__name__} ({options!r})."
+        )
     options = dict(options)
     mask = check_reset_mask(options.pop("reset_mask"), num_envs) if "reset_mask" in options else None
     return options, mask
@@ -235,32 +283,36 @@ def check_reset_mask(reset_mask: Any, num_envs: int) -> np.ndarray:
     return reset_mask
 
 
-def _integer_bounds(space: spaces.Space) -> tuple[Any, Any]:
-    if isinstance(space, spaces.Discrete):
-        return space.start, space.start + space.n - 1
-    if isinstance(space, spaces.MultiDiscrete):
-        return space.start, space.start + space.nvec - 1
-    return 0, 1
-
-
 def check_actions(
     actions: Any,
-    action_space: spaces.Space,
+    single_action_space: spaces.Space,
     specs: list[tuple[np.dtype, tuple[int, ...], spaces.Space]],
     num_envs: int,
 ) -> list[np.ndarray]:
-    """The leaf arrays of a batch of actions, each of shape ``(num_envs, *single_shape)`` and in range.
+    """The leaf arrays of a batch of actions, each of shape ``(num_envs, *single_shape)``.
 
-    The user's dtype is kept (not cast to the space's), so that envs see exactly what
-    ``SyncVectorEnv`` would pass them.
+    Only what the wire needs is checked: the structure, one action per env, the shape and a
+    numeric dtype. Values are the envs' business, as with ``SyncVectorEnv``: an action out of
+    range may be what an env in its autoreset step ignores. The user's dtype is kept (not
+    cast to the space's), so that envs see exactly what ``SyncVectorEnv`` would pass them.
+    Leaves pair with ``specs`` in the single space's order (``Dict`` keys as the env declared
+    them; ``batch_space`` sorts them).
     """
     try:
-        leaves = leaf_arrays(action_space, actions)
+        leaves = leaf_arrays(single_action_space, actions)
     except (KeyError, IndexError, TypeError, ValueError) as exc:
-        raise ValueError(f"Actions do not match the action space {action_space}: {type(exc).__name__}: {exc}") from None
+        raise ValueError(
+            f"Actions do not match the action space {single_action_space} (batched for {num_envs} envs): "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
     checked = []
     for leaf, (_dtype, shape, space) in zip(leaves, specs, strict=True):
         array = np.asarray(leaf)
+        if array.ndim == 0:
+            raise TypeError(
+                f"Actions must be a batch with one action per env (num_envs={num_envs}) for action space {space}, "
+                f"got the scalar {leaf!r}."
+            )
         expected = (num_envs, *shape)
         if array.shape != expected:
             raise ValueError(
@@ -269,18 +321,33 @@ def check_actions(
             )
         if array.dtype.kind not in "biuf":
             raise TypeError(f"Actions must be numeric for action space {space}, got dtype {array.dtype}.")
-        if isinstance(space, (spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)):
-            # Discrete.contains rejects bools (MultiDiscrete and MultiBinary accept them).
-            if array.dtype.kind not in "biu" or (array.dtype.kind == "b" and isinstance(space, spaces.Discrete)):
-                raise TypeError(f"Actions for {space} must have an integer dtype, got {array.dtype}.")
-            low, high = _integer_bounds(space)
-            if array.size and (
-                # against scalar bounds, min/max are one pass each and build no temporaries
-                (array.min() < low or array.max() > high)
-                if isinstance(low, (int, np.integer))
-                else (np.any(array < low) or np.any(array > high))
-            ):
-                bad = array[(array < low) | (array > high)].ravel()[0]
-                raise ValueError(f"Action {bad} is outside {space} (valid values {low}..{high}).")
         checked.append(array)
+    return checked
+
+
+def action_items(actions: Any, action_space: spaces.Space, num_envs: int) -> list[Any]:
+    """The per-env actions that ``SyncVectorEnv.step`` would hand each env, for spaces without an array form."""
+    try:
+        items = list(iterate(action_space, actions))
+    except Exception as exc:
+        raise ValueError(f"Actions do not match the action space {action_space}: {type(exc).__name__}: {exc}") from None
+    if len(items) != num_envs:
+        raise ValueError(f"Expected one action per env (num_envs={num_envs}), got {len(items)} actions.")
+    return items
+
+
+def check_indices(indices: Any, num_envs: int) -> list[int] | None:
+    """Env indices for ``get_attr``/``set_attr``/``apply``: ``None`` (all), one int, or ints; negatives count from the end."""
+    if indices is None:
+        return None
+    single = isinstance(indices, (int, np.integer)) and not isinstance(indices, bool)
+    if isinstance(indices, (str, bytes)) or not (single or isinstance(indices, Iterable)):
+        raise TypeError(f"`indices` must be None, an int or a sequence of ints, got {type(indices).__name__}.")
+    checked = []
+    for index in [indices] if single else list(indices):
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
+            raise TypeError(f"`indices` must hold ints, got {type(index).__name__} ({index!r}).")
+        if not -num_envs <= index < num_envs:
+            raise IndexError(f"Env index {index} is out of range for num_envs={num_envs}.")
+        checked.append(int(index) % num_envs)
     return checked

@@ -28,11 +28,11 @@ import numpy as np
 import zmq
 from gymnasium.vector import AutoresetMode
 
-from clusterenv.batching import is_array_tree, leaf_arrays, unflatten
+from clusterenv.batching import batch_of_items, is_array_tree, leaf_arrays, unflatten
 from clusterenv.heartbeat_client import HeartbeatClient
 from clusterenv.liveness import LEARNER_LOST_EXIT_CODE, Heartbeat
 from clusterenv.protocol import Kind, Message
-from clusterenv.recording import RecordingVectorEnv, build, dumps, failing_env_index
+from clusterenv.recording import RecordingVectorEnv, build, dumps, failing_env_index, install_registry
 from clusterenv.transport import SECRET_ENV_VAR, Channel, Curve, new_identity, resolve_secret
 from clusterenv.worker_policy import RolloutAborted
 from clusterenv.worker_policy import install as install_policy_handlers
@@ -110,16 +110,31 @@ class Worker:
 
     # -- lifecycle -------------------------------------------------------------------------
     def init(self, msg: Message) -> Message:
-        """Build this worker's envs from the pickled factories and describe their spaces."""
+        """Build this worker's envs from the pickled factories and describe their spaces.
+
+        The first blob is the context the factories need: the learner's env registry, and
+        the single observation space when the learner was given one (``observation_mode``
+        as a ``(batch space, single space)`` tuple). The factories follow.
+        """
         self.env_offset = int(msg.meta["env_offset"])
         procs = self.procs if self.procs is not None else int(msg.meta.get("procs_per_worker", 1))
-        mode, autoreset_mode = msg.meta["observation_mode"], AutoresetMode(msg.meta["autoreset_mode"])
+        context = pickle.loads(msg.blobs[0])
+        install_registry(context["registry"])
+        mode = (
+            context["observation_space"] if msg.meta["observation_mode"] == "custom" else msg.meta["observation_mode"]
+        )
+        autoreset_mode, env_blobs = AutoresetMode(msg.meta["autoreset_mode"]), list(msg.blobs[1:])
         if procs > 1:
             self.envs = ProcVectorEnv(
-                list(msg.blobs), procs, observation_mode=mode, autoreset_mode=autoreset_mode, env_offset=self.env_offset
+                env_blobs,
+                procs,
+                observation_mode=mode,
+                autoreset_mode=autoreset_mode,
+                env_offset=self.env_offset,
+                registry=context["registry"],
             )
         else:
-            self.envs = build(list(msg.blobs), mode, autoreset_mode)
+            self.envs = build(env_blobs, mode, autoreset_mode)
         if msg.meta.get("replacement") and self.envs.autoreset_mode is AutoresetMode.NEXT_STEP:
             # A replacement for a lost worker: its envs' episodes were cut short, so under
             # NEXT_STEP their next step is the autoreset step (see docs/cluster.md).
@@ -139,20 +154,27 @@ class Worker:
         return Message(Kind.RESULT, {}, arrays, blobs)
 
     def reset(self, msg: Message) -> Message:
-        """Reset the envs (those in the mask, if any) with their seeds."""
+        """Reset the envs (those in the mask, if any) with their seeds, and one options dict or one per env."""
         assert self.envs is not None
         options = pickle.loads(msg.blobs[0]) if msg.blobs else None
-        if msg.meta.get("mask") is not None:
-            options = dict(options or {}, reset_mask=np.array(msg.meta["mask"], dtype=np.bool_))
-        obs, _ = self.envs.reset(seed=msg.meta["seeds"], options=options)
+        mask = msg.meta.get("mask")
+        if isinstance(options, list):
+            obs, _ = self.envs.reset_each(msg.meta["seeds"], options, mask)
+        else:
+            if mask is not None:
+                options = dict(options or {}, reset_mask=np.array(mask, dtype=np.bool_))
+            obs, _ = self.envs.reset(seed=msg.meta["seeds"], options=options)
         self.never_reset = False
         return self._result(obs, [])
 
     def step(self, msg: Message) -> Message:
-        """Step every env with its slice of the actions."""
+        """Step every env with its slice of the actions: leaf arrays, or pickled per-env actions."""
         assert self.envs is not None
-        # Copies: env code may write into its action, and received frames are read-only.
-        actions = unflatten(self.envs.action_space, [a.copy() for a in msg.arrays])
+        if msg.blobs:  # actions without a fixed array form: each env gets the very object the learner was given
+            actions = batch_of_items(self.envs.action_space, pickle.loads(msg.blobs[0]))
+        else:
+            # Copies: env code may write into its action, and received frames are read-only.
+            actions = unflatten(self.envs.single_action_space, [a.copy() for a in msg.arrays])
         obs, rewards, terminations, truncations, _ = self.envs.step(actions)
         return self._result(obs, [rewards, terminations, truncations])
 
@@ -165,16 +187,16 @@ class Worker:
 
     # -- attributes ------------------------------------------------------------------------
     def call(self, msg: Message) -> Message:
-        """Call (or read) an attribute of every env."""
+        """Call (or read) an attribute of the envs in ``indices`` (all: ``None``), or apply a function to them."""
         assert self.envs is not None
         args, kwargs = pickle.loads(msg.blobs[0])
-        results = self.envs.call(msg.meta["name"], *args, **kwargs)
-        return Message(Kind.VALUE, blobs=[cloudpickle.dumps(list(results))])
+        results = self.envs.call_at(msg.meta.get("indices"), msg.meta["name"], args, kwargs)
+        return Message(Kind.VALUE, blobs=[cloudpickle.dumps(results)])
 
     def set_attr(self, msg: Message) -> Message:
-        """Set an attribute on every env, one value each."""
+        """Set an attribute on the envs in ``indices`` (all: ``None``), one value each."""
         assert self.envs is not None
-        self.envs.set_attr(msg.meta["name"], list(pickle.loads(msg.blobs[0])))
+        self.envs.set_attr_at(msg.meta.get("indices"), msg.meta["name"], list(pickle.loads(msg.blobs[0])))
         return Message(Kind.VALUE, blobs=[cloudpickle.dumps(None)])
 
     def close(self) -> None:

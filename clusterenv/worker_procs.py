@@ -45,13 +45,15 @@ from multiprocessing import Pipe
 from typing import Any
 
 import numpy as np
+from gymnasium import Space
+from gymnasium.envs.registration import EnvSpec
 from gymnasium.vector import AutoresetMode, VectorEnv
-from gymnasium.vector.utils import batch_differing_spaces, batch_space, concatenate, create_empty_array
+from gymnasium.vector.utils import batch_differing_spaces, batch_space, concatenate, create_empty_array, iterate
 
 from clusterenv import shared_obs
-from clusterenv.batching import InfoRecord, is_array_tree, leaf_arrays, split_evenly
+from clusterenv.batching import InfoRecord, by_part, in_index_order, is_array_tree, leaf_arrays, split_evenly
 from clusterenv.recording import dumps
-from clusterenv.validation import per_env_values
+from clusterenv.validation import check_spaces, per_env_values
 
 __all__ = ["ENV_PROCESS_LOST_EXIT_CODE", "ChildEnvError", "EnvProcessLost", "ProcVectorEnv"]
 
@@ -153,15 +155,23 @@ class ProcVectorEnv(VectorEnv):
     Args:
         env_blobs: the pickled env factories of the slice.
         num_procs: how many child processes at most.
-        observation_mode: ``"same"`` or ``"different"``, as for ``SyncVectorEnv``.
+        observation_mode: ``"same"``, ``"different"``, or the single observation space (see ``recording.build``).
         autoreset_mode: Gymnasium's autoreset mode.
         env_offset: the global index of the slice's first env, for messages.
+        registry: the learner's env registry, installed in every child before its factories run.
     """
 
     info_log: list[InfoRecord]
 
     def __init__(
-        self, env_blobs: list[bytes], num_procs: int, *, observation_mode: str, autoreset_mode: Any, env_offset: int = 0
+        self,
+        env_blobs: list[bytes],
+        num_procs: int,
+        *,
+        observation_mode: str | Space,
+        autoreset_mode: Any,
+        env_offset: int = 0,
+        registry: dict[str, EnvSpec] | None = None,
     ) -> None:
         super().__init__()
         self.num_envs = len(env_blobs)
@@ -171,7 +181,9 @@ class ProcVectorEnv(VectorEnv):
         try:
             for k, part in enumerate(split_evenly(self.num_envs, min(num_procs, self.num_envs))):
                 self._children.append(_Child(k, part, env_offset))
-            parts = self._all(lambda c: ("init", (env_blobs[c.part], observation_mode, self.autoreset_mode.value)))
+            parts = self._all(
+                lambda c: ("init", (env_blobs[c.part], observation_mode, self.autoreset_mode.value, registry or {}))
+            )
             self._describe([parts[k] for k in range(len(self._children))], observation_mode)
             self._allocate()
         except BaseException:
@@ -179,7 +191,7 @@ class ProcVectorEnv(VectorEnv):
             raise
 
     # -- construction ----------------------------------------------------------------------
-    def _describe(self, parts: list[dict[str, Any]], observation_mode: str) -> None:
+    def _describe(self, parts: list[dict[str, Any]], observation_mode: str | Space) -> None:
         self._description = {
             "observation_spaces": [space for part in parts for space in part["observation_spaces"]],
             "action_spaces": [space for part in parts for space in part["action_spaces"]],
@@ -188,9 +200,16 @@ class ProcVectorEnv(VectorEnv):
         }
         self.metadata = dict(parts[0]["metadata"], autoreset_mode=self.autoreset_mode)
         self.render_mode = parts[0]["render_mode"]
-        self.single_observation_space = self._description["observation_spaces"][0]
         self.single_action_space = self._description["action_spaces"][0]
         self.action_space = batch_space(self.single_action_space, self.num_envs)
+        if isinstance(observation_mode, Space):  # each child checked its envs against it
+            self.single_observation_space = observation_mode
+            self.observation_space = batch_space(observation_mode, self.num_envs)
+            return
+        # Each child checked its own part, as SyncVectorEnv does; across parts is checked here,
+        # before any child maps a batch laid out for another space.
+        check_spaces(self._description["observation_spaces"], self._description["action_spaces"], observation_mode)
+        self.single_observation_space = self._description["observation_spaces"][0]
         if observation_mode == "same":
             self.observation_space = batch_space(self.single_observation_space, self.num_envs)
         else:
@@ -291,29 +310,58 @@ class ProcVectorEnv(VectorEnv):
         self._absorb(self._request(commands))
         return self._observations, {}
 
+    def reset_each(
+        self, seeds: list[int | None], options: list[dict[str, Any] | None], mask: Any = None
+    ) -> tuple[Any, dict[str, Any]]:
+        """Reset env ``i`` with ``seeds[i]`` and ``options[i]`` (those in ``mask``), as ``RecordingVectorEnv.reset_each``."""
+        mask = None if mask is None else np.asarray(mask, dtype=np.bool_)
+        commands = {
+            c.index: ("reset_each", (seeds[c.part], options[c.part], None if mask is None else mask[c.part]))
+            for c in self._children
+            if mask is None or np.any(mask[c.part])
+        }
+        self._absorb(self._request(commands))
+        return self._observations, {}
+
     def step(self, actions: Any) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
         """Step every env; infos go to ``info_log``, the returned observations are the batch buffer itself."""
-        leaves = leaf_arrays(self.single_action_space, actions)
-        self._absorb(self._all(lambda c: ("step", [leaf[c.part] for leaf in leaves])))
+        if is_array_tree(self.single_action_space):
+            leaves = leaf_arrays(self.single_action_space, actions)
+            self._absorb(self._all(lambda c: ("step", [leaf[c.part] for leaf in leaves])))
+        else:
+            items = list(iterate(self.action_space, actions))
+            self._absorb(self._all(lambda c: ("step_items", items[c.part])))
         return self._observations, self._rewards.copy(), self._terminations.copy(), self._truncations.copy(), {}
+
+    def call_at(self, indices: list[int] | None, name: str | None, args: tuple, kwargs: dict[str, Any]) -> list[Any]:
+        """``RecordingVectorEnv.call_at`` over the children: results in the order of ``indices``."""
+        parts = [c.part for c in self._children]
+        replies = self._request(
+            {k: ("call", (local, name, args, kwargs)) for k, local in by_part(indices, parts).items()}
+        )
+        return in_index_order(indices, parts, replies)
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         """Call (or read) attribute ``name`` of every env, in env order."""
-        replies = self._all(lambda c: ("call", (name, args, kwargs)))
-        return tuple(value for k in sorted(replies) for value in replies[k])
+        return tuple(self.call_at(None, name, args, kwargs))
 
     def get_attr(self, name: str) -> tuple[Any, ...]:
         """Read attribute ``name`` of every env."""
         return self.call(name)
 
+    def set_attr_at(self, indices: list[int] | None, name: str, values: list[Any]) -> None:
+        """Set attribute ``name`` on the envs ``indices`` (``None``: all), one value each."""
+        value_of = dict(zip(range(self.num_envs) if indices is None else indices, values, strict=True))
+        commands = {}
+        for k, local in by_part(indices, [c.part for c in self._children]).items():
+            part = self._children[k].part
+            chosen = range(part.stop - part.start) if local is None else local
+            commands[k] = ("set_attr", (local, name, [value_of[part.start + i] for i in chosen]))
+        self._request(commands)
+
     def set_attr(self, name: str, values: list[Any] | tuple[Any, ...] | Any) -> None:
         """Set attribute ``name`` on every env: one value each, or the same value for all."""
-        values = per_env_values(values, self.num_envs)
-        self._all(lambda c: ("set_attr", (name, list(values[c.part]))))
-
-    def render(self) -> tuple[Any, ...]:
-        """The frames rendered by every env, in env order."""
-        return self.call("render")
+        self.set_attr_at(None, name, list(per_env_values(values, self.num_envs)))
 
     # -- what RecordingVectorEnv also offers -----------------------------------------------
     @property

@@ -304,3 +304,67 @@ class JitteryRichEnv(RichSpacesEnv):
     def step(self, action):
         time.sleep(float(self._jitter.uniform(0.0, 0.004)))
         return super().step(action)
+
+
+class OneStepEnv(gym.Env):
+    """Episodes of one step; ``step`` asserts its action is in ``Discrete(4)``, as CartPole does."""
+
+    observation_space = spaces.Box(0.0, 100.0, (1,), np.float32)
+    action_space = spaces.Discrete(4)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.array([self.np_random.integers(100)], np.float32), {}
+
+    def step(self, action):
+        assert self.action_space.contains(action), f"{action!r} invalid"
+        return np.array([float(action)], np.float32), 1.0, True, False, {"action": int(action)}
+
+
+class TextActionEnv(gym.Env):
+    """A ``Text`` action space (no fixed array form): the env echoes its actions into its observations."""
+
+    observation_space = spaces.Box(0.0, 100.0, (1,), np.float32)
+    action_space = spaces.Text(max_length=6)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        assert isinstance(action, str), f"{action!r} is not a str"
+        return np.array([len(action)], np.float32), float(len(action)), action == "stop", False, {"said": action}
+
+
+class UnsortedDictActionEnv(gym.Env):
+    """A Dict action space whose keys are not in sorted order (``batch_space`` sorts them)."""
+
+    observation_space = spaces.Box(-100.0, 100.0, (2,), np.float32)
+
+    def __init__(self) -> None:
+        self.action_space = spaces.Dict([("b", spaces.Box(-10, 10, (1,), np.float32)), ("a", spaces.Discrete(3))])
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        assert self.action_space.contains(action), f"{action!r} invalid"
+        return np.array([action["a"], action["b"][0]], np.float32), 0.0, False, False, {}
+
+
+class ObservationSpaceEnv(gym.Env):
+    """An env whose observation space is given: for checks of mismatched spaces."""
+
+    action_space = spaces.Discrete(2)
+
+    def __init__(self, observation_space: spaces.Space) -> None:
+        self.observation_space = observation_space
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.observation_space.seed(int(self.np_random.integers(2**31)))
+        return self.observation_space.sample(), {}
+
+    def step(self, action):
+        return self.observation_space.sample(), 0.0, False, False, {}
