@@ -133,6 +133,17 @@ def test_example_trains_and_writes_episode_csv_and_learning_curve(tiny_run, name
     assert f"{len(episodes)} episodes in" in run.result.stdout
 
 
+def test_the_sb3_example_gives_dummy_vec_envs_episodes(tmp_path):
+    pytest.importorskip("stable_baselines3")
+    returns = {}
+    for backend in ("clusterenv", "dummy"):
+        args = ("--total-timesteps", "1024", "--num-envs", "4", "--n-steps", "64", "--backend", backend)
+        run = run_example("sb3_ppo.py", *args, cwd=tmp_path / backend)
+        assert run.result.returncode == 0, run.result.stderr[-3000:]
+        returns[backend] = run.returns()
+    assert returns["dummy"] and returns["clusterenv"] == returns["dummy"]
+
+
 @pytest.mark.parametrize("name", ["ppo_cartpole", "dqn_cartpole", "ppo_atari", "ppo_continuous"])
 def test_gymnasium_version_of_the_script_gives_the_same_episodes(tiny_run, name):
     ours, gymnasium = tiny_run(name, "clusterenv"), tiny_run(name, "gym")

@@ -1,0 +1,132 @@
+"""``clusterenv.sb3.ClusterVecEnv`` returns what Stable-Baselines3's ``DummyVecEnv`` returns, and trains identically."""
+
+from __future__ import annotations
+
+import functools
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+sb3 = pytest.importorskip("stable_baselines3")
+from stable_baselines3.common.monitor import Monitor  # noqa: E402
+from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize  # noqa: E402
+
+from clusterenv.sb3 import ClusterVecEnv  # noqa: E402
+from tests.conftest import assert_same  # noqa: E402
+from tests.envs import RichSpacesEnv  # noqa: E402
+
+
+def monitored_cartpole() -> gym.Env:
+    return Monitor(gym.make("CartPole-v1"))
+
+
+def monitored_pendulum() -> gym.Env:
+    return Monitor(gym.make("Pendulum-v1", max_episode_steps=50))
+
+
+def same_infos(expected: list[dict], got: list[dict]) -> None:
+    """Per-env infos equal in keys (and their order) and values; numbers may be numpy scalars after batching.
+
+    Monitor's ``info["episode"]["t"]`` is wall-clock time, so it is not compared.
+    """
+    assert len(expected) == len(got)
+    for want, have in zip(expected, got, strict=True):
+        assert list(want) == list(have)
+        for key, value in want.items():
+            if key == "t" and "r" in want:
+                continue
+            if isinstance(value, dict):
+                same_infos([value], [have[key]])
+            elif isinstance(value, np.ndarray) or isinstance(have[key], np.ndarray):
+                np.testing.assert_array_equal(value, have[key])
+            else:
+                assert value == have[key], key
+
+
+@pytest.mark.parametrize("env_fn", [monitored_cartpole, monitored_pendulum], ids=["CartPole", "Pendulum"])
+def test_steps_match_dummy_vec_env(env_fn):
+    reference = DummyVecEnv([env_fn] * 4)
+    env = ClusterVecEnv([env_fn] * 4, num_workers=2)
+    try:
+        reference.seed(3)
+        env.seed(3)
+        assert_same(reference.reset(), env.reset())
+        same_infos(reference.reset_infos, env.reset_infos)
+        reference.action_space.seed(0)
+        for _ in range(200):
+            actions = np.stack([reference.action_space.sample() for _ in range(4)])
+            want, got = reference.step(actions), env.step(actions)
+            assert_same(want[:3], got[:3])  # observations, float32 rewards, dones
+            same_infos(want[3], got[3])
+            same_infos(reference.reset_infos, env.reset_infos)
+    finally:
+        reference.close()
+        env.close()
+
+
+def test_options_seeds_attributes_and_wrappers_follow_sb3():
+    env = ClusterVecEnv([functools.partial(RichSpacesEnv, "discrete")] * 3, num_workers=2)
+    try:
+        env.set_options([{"level": 1}, {}, {"level": 3}])
+        env.reset()
+        assert [info.get("options") for info in env.reset_infos] == [{"level": 1}, None, {"level": 3}]
+        env.reset()  # options are used once
+        assert [info.get("options") for info in env.reset_infos] == [None, None, None]
+        assert env.env_is_wrapped(gym.Wrapper) == [False] * 3
+        assert not env.has_attr("no_such_attribute")
+        env.set_attr("marker", 7, indices=[0, 2])
+        assert env.get_attr("marker", indices=[0, -1]) == [7, 7]
+        assert env.env_method("render", indices=1)[0].shape == (4, 4, 3)
+    finally:
+        env.close()
+    with pytest.raises(ValueError, match="sets `autoreset_mode` itself"):
+        ClusterVecEnv([monitored_cartpole], autoreset_mode="NextStep")
+    with pytest.raises(ValueError):
+        ClusterVecEnv([monitored_cartpole], start_method="no_such_method")
+
+
+def test_sb3_wrappers_stack_on_it():
+    env = VecNormalize(ClusterVecEnv([monitored_cartpole] * 2, num_workers=2))
+    try:
+        env.seed(0)
+        obs = env.reset()
+        obs, rewards, dones, infos = env.step(np.array([0, 1]))
+        assert obs.shape == (2, 4) and rewards.dtype == np.float32 and len(infos) == 2
+    finally:
+        env.close()
+
+
+def final_weights_and_returns(algorithm: type, vec_env_cls: type, steps: int, **hyperparameters) -> tuple:
+    env = vec_env_cls([monitored_cartpole] * 4, **({} if vec_env_cls is DummyVecEnv else {"num_workers": 2}))
+    try:
+        model = algorithm("MlpPolicy", env, seed=0, device="cpu", **hyperparameters)
+        returns = []
+        model.learn(steps, callback=lambda locals_, _: returns.extend(_episode_returns(locals_)) or True)
+        weights = {name: value.clone() for name, value in model.policy.state_dict().items()}
+    finally:
+        env.close()
+    return weights, returns
+
+
+def _episode_returns(locals_: dict) -> list[float]:
+    return [info["episode"]["r"] for info in locals_.get("infos", []) if "episode" in info]
+
+
+ALGORITHMS = {
+    "PPO": ("PPO", 1024, {"n_steps": 64, "batch_size": 64, "n_epochs": 2}),
+    "DQN": ("DQN", 1500, {"learning_starts": 200, "buffer_size": 2000, "train_freq": 4, "target_update_interval": 100}),
+}
+
+
+@pytest.mark.parametrize(("name", "steps", "hyperparameters"), ALGORITHMS.values(), ids=ALGORITHMS)
+def test_training_is_bit_identical_to_dummy_vec_env(name, steps, hyperparameters):
+    algorithm = getattr(sb3, name)
+    torch.set_num_threads(1)
+    weights, returns = final_weights_and_returns(algorithm, DummyVecEnv, steps, **hyperparameters)
+    cluster_weights, cluster_returns = final_weights_and_returns(algorithm, ClusterVecEnv, steps, **hyperparameters)
+    assert len(returns) > 10 and returns == cluster_returns
+    assert weights.keys() == cluster_weights.keys()
+    for key in weights:
+        assert torch.equal(weights[key], cluster_weights[key]), key
