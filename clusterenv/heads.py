@@ -28,7 +28,7 @@ the *sampled* actions (what the log-probabilities are of, what a learner stores)
 
 Heads are numpy-only (workers may never import torch), frozen, and travel as a small map.
 
-Example:
+Examples:
     >>> import numpy as np
     >>> from gymnasium import spaces
     >>> space = spaces.Box(-2.0, 2.0, shape=(3,))

@@ -69,7 +69,7 @@ class RayLauncher:
         **init_kwargs: passed to ``ray.init`` when this launcher initialises Ray; it then
             also shuts Ray down in ``stop``.
 
-    Example:
+    Examples:
         ``ClusterEnv(env_fns, launcher=RayLauncher(address="auto"), bind="tcp://10.0.0.1:5555", secret=...)``
     """
 

@@ -88,7 +88,7 @@ class PolicyRunner:
     :meth:`publish` copies the weights to the host in one transfer, and the learner's outputs
     on the probe states (for the KL checks) are computed on the policy's device.
 
-    Example:
+    Examples:
         >>> import clusterenv, torch
         >>> envs = clusterenv.make_vec("CartPole-v1", num_envs=4, vector_kwargs={"num_workers": 2})
         >>> actor = torch.nn.Linear(4, 2)
