@@ -249,7 +249,7 @@ class ClusterEnv(VectorEnv):
         Inside, ``reset``/``step``/``call`` raise ``AlreadyPendingCallError`` (naming ``holder``,
         if given); the pool's sequence number is new, so replies to earlier calls are ignored.
         """
-        self._begin(AsyncState.WAITING_CALL)
+        self._begin(AsyncState.WAITING_CALL, "pending_call")
         self._state, self._holder = AsyncState.WAITING_CALL, holder
         try:
             yield self._pool
@@ -296,21 +296,20 @@ class ClusterEnv(VectorEnv):
             self.single_observation_space, self.observation_space, self.num_envs, self._pool.loads, observations=shared
         )
 
-    def _begin(self, state: AsyncState) -> None:
+    def _begin(self, state: AsyncState, name: str) -> None:
+        """Start a call of method ``name`` (named in errors as ``AsyncVectorEnv`` names it), entering ``state``."""
         self._assert_is_running()
         if streaming := self._first_ready.streaming():
             raise AlreadyPendingCallError(
-                f"Calling `{state.value}` while {len(streaming)} workers' envs are in "
+                f"Calling `{name}` while {len(streaming)} workers' envs are in "
                 "flight from async_reset()/send(): recv() them all first.",
                 "step",
             )
         if self._state != AsyncState.DEFAULT:
             if self._holder is not None:
-                raise AlreadyPendingCallError(
-                    f"Calling `{state.value}` while the envs are held by {self._holder}.", "call"
-                )
+                raise AlreadyPendingCallError(f"Calling `{name}` while the envs are held by {self._holder}.", "call")
             raise AlreadyPendingCallError(
-                f"Calling `{state.value}` while waiting for a pending call to `{self._state.value}` to complete.",
+                f"Calling `{name}` while waiting for a pending call to `{self._state.value}` to complete.",
                 str(self._state.value),
             )
         self._pool.new_call()
@@ -345,7 +344,7 @@ class ClusterEnv(VectorEnv):
         options: dict[str, Any] | Sequence[dict[str, Any] | None] | None = None,
     ) -> None:
         """Send the reset to the workers without waiting for the observations."""
-        self._begin(AsyncState.WAITING_RESET)
+        self._begin(AsyncState.WAITING_RESET, "reset_async")
         seeds = check_seeds(seed, self.num_envs)
         options, mask = check_reset_options(options, self.num_envs)
         commands: dict[int, Command] = {}
@@ -378,10 +377,9 @@ class ClusterEnv(VectorEnv):
 
     def step_async(self, actions: Any) -> None:
         """Send the actions to the workers without waiting for the results."""
-        self._assert_is_running()
+        self._begin(AsyncState.WAITING_STEP, "step_async")  # a pending reset is reported first, as Async does
         if self._needs_reset:
             raise ResetNeeded("Cannot call `step` before `reset`: the environments have not been reset yet.")
-        self._begin(AsyncState.WAITING_STEP)
         if self._action_specs is None:  # no fixed array form (Text, Graph, ...): each env's action, pickled
             items = action_items(actions, self.action_space, self.num_envs)
             commands: dict[int, Command] = {
@@ -469,7 +467,7 @@ class ClusterEnv(VectorEnv):
         n, plan = self._first_ready.plan(env_ids)
         leaves = check_actions(actions, self.single_action_space, self._action_specs, n)
         if not self._first_ready.streaming():
-            self._begin(AsyncState.WAITING_STEP)
+            self._begin(AsyncState.WAITING_STEP, "send")
             self._state = AsyncState.WAITING_STEP
         self._pool.send_each(Kind.STEP, self._first_ready.step_commands(leaves, plan))
         self._first_ready.in_flight.update((w, "step") for w, _ in plan)
@@ -511,10 +509,12 @@ class ClusterEnv(VectorEnv):
     # ``RemoteEnvError``) and the envs stay usable, as with ``SyncVectorEnv``.
     def call_async(self, name: str, *args: Any, **kwargs: Any) -> None:
         """Ask every env for ``name`` (called with the arguments if it is callable)."""
-        self._call_async(None, check_attribute_name(name), args, kwargs, f"arguments of call({name!r})")
+        self._call_async("call_async", None, check_attribute_name(name), args, kwargs, f"arguments of call({name!r})")
 
-    def _call_async(self, indices: list[int] | None, name: str | None, args: tuple, kwargs: dict, what: str) -> None:
-        self._begin(AsyncState.WAITING_CALL)
+    def _call_async(
+        self, method: str, indices: list[int] | None, name: str | None, args: tuple, kwargs: dict, what: str
+    ) -> None:
+        self._begin(AsyncState.WAITING_CALL, method)
         blob = pickle_argument((args, kwargs), what)
         commands: dict[int, Command] = {
             w: ({"name": name, "indices": local}, (), [blob]) for w, local in by_part(indices, self._slices).items()
@@ -548,7 +548,9 @@ class ClusterEnv(VectorEnv):
             indices: only these envs (an int or ints; negative ones count from the end), in
                 this order; ``None``: all, in env order.
         """
-        self._call_async(check_indices(indices, self.num_envs), check_attribute_name(name), (), {}, "get_attr")
+        self._call_async(
+            "get_attr", check_indices(indices, self.num_envs), check_attribute_name(name), (), {}, "get_attr"
+        )
         return self.call_wait()
 
     def apply(self, fn: Callable[[Env], Any], indices: Any = None) -> tuple[Any, ...]:
@@ -565,7 +567,7 @@ class ClusterEnv(VectorEnv):
         """
         if not callable(fn):
             raise TypeError(f"`fn` must be a callable taking one env, got {type(fn).__name__}.")
-        self._call_async(check_indices(indices, self.num_envs), None, (fn,), {}, "function given to apply()")
+        self._call_async("apply", check_indices(indices, self.num_envs), None, (fn,), {}, "function given to apply()")
         return self.call_wait()
 
     def set_attr(self, name: str, values: list[Any] | tuple[Any, ...] | Any, indices: Any = None) -> None:
@@ -574,7 +576,7 @@ class ClusterEnv(VectorEnv):
         chosen = check_indices(indices, self.num_envs)
         values = per_env_values(values, self.num_envs if chosen is None else len(chosen))
         value_of = dict(zip(range(self.num_envs) if chosen is None else chosen, values, strict=True))
-        self._begin(AsyncState.WAITING_CALL)
+        self._begin(AsyncState.WAITING_CALL, "set_attr")
         commands: dict[int, Command] = {}
         for w, local in by_part(chosen, self._slices).items():
             sl = self._slices[w]

@@ -388,7 +388,14 @@ SECOND_CALLS = {
     "call": lambda envs: envs.call("spec"),
     "set_attr": lambda envs: envs.set_attr("gravity", 1.0),
 }
-SECOND_CALL_STATES = {"step_async": "step", "step": "step", "reset": "reset", "call": "call", "set_attr": "call"}
+# The method named in the error, as AsyncVectorEnv names it.
+SECOND_CALL_STATES = {
+    "step_async": "step_async",
+    "step": "step_async",
+    "reset": "reset_async",
+    "call": "call_async",
+    "set_attr": "set_attr",
+}
 
 
 @pytest.mark.parametrize("second", SECOND_CALLS.values(), ids=SECOND_CALLS)
