@@ -56,22 +56,16 @@ def _worker_context(observation_space: spaces.Space | None) -> bytes:
 
     A factory calling ``gym.make(id)`` must find ids that only this process registered
     (``gym.register`` in the script, ``gym.register_envs(ale_py)``), as it would under
-    ``SyncVectorEnv``. Specs that cannot be pickled are left out (and logged).
+    ``SyncVectorEnv``. Each spec travels pickled on its own, so that one a worker cannot load
+    (its entry point's module is not installed there) costs only that id.
     """
-    registry = dict(gymnasium.registry)
-    try:
-        return cloudpickle.dumps({"registry": registry, "observation_space": observation_space})
-    except Exception:
-        logger.debug("Some env specs cannot be pickled; the others are sent one by one.")
-    picklable = {}
-    for env_id, spec in registry.items():
+    specs = {}
+    for env_id, spec in gymnasium.registry.items():
         try:
-            cloudpickle.dumps(spec)
+            specs[env_id] = cloudpickle.dumps(spec)
         except Exception as exc:
             logger.debug("Env id %r stays unknown to workers: its spec cannot be pickled (%s).", env_id, exc)
-            continue
-        picklable[env_id] = spec
-    return cloudpickle.dumps({"registry": picklable, "observation_space": observation_space})
+    return cloudpickle.dumps({"registry": specs, "observation_space": observation_space})
 
 
 def _default_num_workers(num_envs: int) -> int:

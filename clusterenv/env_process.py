@@ -44,7 +44,7 @@ class _ChildEnvs:
         self.envs: RecordingVectorEnv | None = None
         self.array_obs = True
 
-    def init(self, payload: tuple[list[bytes], Any, str, dict[str, Any]]) -> dict[str, Any]:
+    def init(self, payload: tuple[list[bytes], Any, str, dict[str, bytes]]) -> dict[str, Any]:
         env_blobs, observation_mode, autoreset_mode, registry = payload
         install_registry(registry)
         self.envs = build(env_blobs, observation_mode, AutoresetMode(autoreset_mode))

@@ -9,6 +9,7 @@ processes each step a part of the slice with one. Either way every per-env seman
 from __future__ import annotations
 
 import functools
+import logging
 import pickle
 import traceback
 from collections.abc import Callable
@@ -25,6 +26,8 @@ from clusterenv import shared_obs
 from clusterenv.batching import InfoRecord, leaf_arrays
 
 __all__ = ["RecordingVectorEnv", "build", "dumps", "failing_env_index", "install_registry", "make_envs"]
+
+logger = logging.getLogger(__name__)
 
 
 class RecordingVectorEnv(SyncVectorEnv):
@@ -139,14 +142,21 @@ class RecordingVectorEnv(SyncVectorEnv):
         }
 
 
-def install_registry(specs: dict[str, EnvSpec]) -> None:
+def install_registry(specs: dict[str, bytes]) -> None:
     """Know every env id the learner knew when it made the envs, before their factories run.
 
     An id registered only in the learner (``gym.register`` in the script, or a package such
     as ``ale_py`` registered there) would be unknown here, and a factory calling
-    ``gym.make(id)`` would fail; entry points stay strings, imported when the env is made.
+    ``gym.make(id)`` would fail. ``specs`` maps each id to its pickled ``EnvSpec``; one that
+    cannot be loaded here (its entry point's module is missing) is left out, and only a
+    factory making that id fails. String entry points are imported when an env is made.
     """
-    for env_id, spec in specs.items():
+    for env_id, blob in specs.items():
+        try:
+            spec: EnvSpec = pickle.loads(blob)
+        except Exception as exc:
+            logger.debug("Env id %r cannot be registered here: %s", env_id, exc)
+            continue
         if gymnasium.registry.get(env_id) != spec:
             gymnasium.registry[env_id] = spec
 

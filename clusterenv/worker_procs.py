@@ -46,7 +46,6 @@ from typing import Any
 
 import numpy as np
 from gymnasium import Space
-from gymnasium.envs.registration import EnvSpec
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_differing_spaces, batch_space, concatenate, create_empty_array, iterate
 
@@ -158,7 +157,7 @@ class ProcVectorEnv(VectorEnv):
         observation_mode: ``"same"``, ``"different"``, or the single observation space (see ``recording.build``).
         autoreset_mode: Gymnasium's autoreset mode.
         env_offset: the global index of the slice's first env, for messages.
-        registry: the learner's env registry, installed in every child before its factories run.
+        registry: the learner's env registry (pickled specs by id), installed in every child before its factories run.
     """
 
     info_log: list[InfoRecord]
@@ -171,7 +170,7 @@ class ProcVectorEnv(VectorEnv):
         observation_mode: str | Space,
         autoreset_mode: Any,
         env_offset: int = 0,
-        registry: dict[str, EnvSpec] | None = None,
+        registry: dict[str, bytes] | None = None,
     ) -> None:
         super().__init__()
         self.num_envs = len(env_blobs)
