@@ -19,6 +19,7 @@
 # pre-update policy and weights each sample by min(pi_learner / pi_acting, 1) (Hilton et al. 2021, "Batch
 # size-invariance for policy optimization"): the learner can move away from a stale copy, and APS decides when
 # the copy is too far behind. With EveryUpdate both are ppo.py (the weight is 1, the two policies are one).
+import functools
 import json
 import logging
 import os
@@ -34,6 +35,7 @@ import torch.nn as nn
 import torch.optim as optim
 import tyro
 from torch.distributions.categorical import Categorical
+from torch.distributions.normal import Normal
 
 import clusterenv
 from clusterenv import APS, EveryUpdate, FixedInterval, Never, PolicyRunner
@@ -141,10 +143,32 @@ def layer_init(layer, std=2**0.5, bias_const=0.0):
     return layer
 
 
+class GaussianActor(nn.Module):
+    """CleanRL's ppo_continuous.py actor: means, then a state-independent log std (``clusterenv.Gaussian``'s layout)."""
+
+    def __init__(self, obs_size, act_size):
+        super().__init__()
+        self.mean = nn.Sequential(
+            layer_init(nn.Linear(obs_size, 64)),
+            nn.Tanh(),
+            layer_init(nn.Linear(64, 64)),
+            nn.Tanh(),
+            layer_init(nn.Linear(64, act_size), std=0.01),
+        )
+        self.logstd = nn.Parameter(torch.zeros(1, act_size))
+
+    def forward(self, x):
+        mean = self.mean(x)
+        return torch.cat([mean, self.logstd.expand_as(mean)], dim=-1)
+
+
 class Agent(nn.Module):
+    """ppo.py's agent on Discrete actions, ppo_continuous.py's on Box actions."""
+
     def __init__(self, envs):
         super().__init__()
         obs_size = int(np.array(envs.single_observation_space.shape).prod())
+        self.continuous = isinstance(envs.single_action_space, gym.spaces.Box)
         self.critic = nn.Sequential(
             layer_init(nn.Linear(obs_size, 64)),
             nn.Tanh(),
@@ -152,18 +176,25 @@ class Agent(nn.Module):
             nn.Tanh(),
             layer_init(nn.Linear(64, 1), std=1.0),
         )
-        self.actor = nn.Sequential(
-            layer_init(nn.Linear(obs_size, 64)),
-            nn.Tanh(),
-            layer_init(nn.Linear(64, 64)),
-            nn.Tanh(),
-            layer_init(nn.Linear(64, envs.single_action_space.n), std=0.01),
-        )
+        if self.continuous:
+            self.actor = GaussianActor(obs_size, int(np.prod(envs.single_action_space.shape)))
+        else:
+            self.actor = nn.Sequential(
+                layer_init(nn.Linear(obs_size, 64)),
+                nn.Tanh(),
+                layer_init(nn.Linear(64, 64)),
+                nn.Tanh(),
+                layer_init(nn.Linear(64, envs.single_action_space.n), std=0.01),
+            )
 
     def get_value(self, x):
         return self.critic(x)
 
     def get_action_and_value(self, x, action):
+        if self.continuous:
+            mean, logstd = self.actor(x).chunk(2, dim=-1)
+            probs = Normal(mean, logstd.exp())
+            return action, probs.log_prob(action).sum(-1), probs.entropy().sum(-1), self.critic(x)
         probs = Categorical(logits=self.actor(x))
         return action, probs.log_prob(action), probs.entropy(), self.critic(x)
 
@@ -189,7 +220,9 @@ def advantages_and_returns(args, batch, values, next_value):
 def solved_return(args, envs):
     if args.solved_return is not None:
         return args.solved_return
-    return {"CartPole-v1": 475.0, "Acrobot-v1": -100.0}.get(envs.spec.id, float("inf"))
+    return {"CartPole-v1": 475.0, "Acrobot-v1": -100.0, "LunarLander-v3": 200.0, "Pendulum-v1": -200.0}.get(
+        envs.spec.id, float("inf")
+    )
 
 
 def train(args, envs, spec, seed):
@@ -205,11 +238,16 @@ def train(args, envs, spec, seed):
     batch_size = args.num_envs * args.num_steps
     num_iterations = args.total_timesteps // batch_size
     global_step, start = 0, time.time()
-    episodes, curve, kls = [], [], []
+    episodes, curve = [], []
+    starts = []  # per rollout and worker: (KL measured at its start, whether it pulled)
     for iteration in range(1, num_iterations + 1):
         if args.anneal_lr:
             optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
+        before = [(w.kl_checks, w.pulls) for w in runner.telemetry.workers]
         batch = runner.rollout(args.num_steps)
+        for (checks, pulls), w in zip(before, runner.telemetry.workers, strict=True):
+            if w.kl_checks > checks:
+                starts.append((w.last_kl, w.pulls > pulls))
         for t, _env, ret, _length in batch.episodes():
             episodes.append((global_step + (t + 1) * args.num_envs, ret))
         global_step += batch_size
@@ -223,7 +261,7 @@ def train(args, envs, spec, seed):
         # Reset steps carry no transition (the env ignored the action): leave them out of the loss.
         valid = torch.as_tensor(~batch.autoreset).reshape(-1)
         b_obs = obs.reshape((-1,) + envs.single_observation_space.shape)[valid]
-        b_actions = torch.as_tensor(batch.actions).reshape(-1)[valid]
+        b_actions = torch.as_tensor(batch.actions).reshape((-1,) + envs.single_action_space.shape)[valid]
         b_logprobs = torch.as_tensor(batch.logprobs).reshape(-1)[valid]
         b_weights = torch.ones_like(b_logprobs)
         if args.ratio == "decoupled":
@@ -232,6 +270,7 @@ def train(args, envs, spec, seed):
                 _, prox_logprobs, _, _ = agent.get_action_and_value(b_obs, b_actions)
             b_weights = torch.clamp((prox_logprobs - b_logprobs).exp(), max=args.is_clip)
             b_logprobs = prox_logprobs
+        is_weight = float(b_weights.mean())
         b_advantages = advantages.reshape(-1)[valid]
         b_returns = returns.reshape(-1)[valid]
         b_values = values.reshape(-1)[valid]
@@ -273,7 +312,6 @@ def train(args, envs, spec, seed):
 
         recent = [ret for _, ret in episodes[-args.return_window :]]
         telemetry = runner.telemetry.total
-        kls.append(telemetry.last_kl)
         curve.append(
             {
                 "step": global_step,
@@ -281,6 +319,7 @@ def train(args, envs, spec, seed):
                 "pulls": telemetry.pulls,
                 "approx_kl": float(approx_kl),
                 "clipfrac": float(np.mean(clipfracs)),
+                "is_weight": is_weight,
             }
         )
     runner.stop()  # hands back the prefetched rollouts (none without prefetch) and frees the envs
@@ -313,6 +352,10 @@ def train(args, envs, spec, seed):
         "mean_lag": total.mean_lag,
         "lag_counts": {str(k): v for k, v in sorted(total.lag_counts.items())},
         "mean_kl": total.mean_kl,
+        # KL(learner || worker's copy) on the probe states at each rollout start, before the pull decision, and
+        # whether the worker then pulled (after a pull the copy that acts is the learner's policy: KL 0).
+        "start_kls": [kl for kl, _ in starts],
+        "start_pulled": [pulled for _, pulled in starts],
         "wall_s": time.time() - start,
         "curve": curve,
     }
@@ -477,11 +520,15 @@ def main():
                 results = json.load(f)["results"]
         done = {(r["env_id"], r["strategy"], r["seed"]) for r in results}
         for env_id in args.env_ids:
+            wrappers = [gym.wrappers.RecordEpisodeStatistics]
+            if isinstance(gym.spec(env_id).make().action_space, gym.spaces.Box):
+                # ppo_continuous.py's reward scaling (returns are recorded before it, unscaled).
+                wrappers.append(functools.partial(gym.wrappers.NormalizeReward, gamma=args.gamma))
             envs = clusterenv.make_vec(
                 env_id,
                 num_envs=args.num_envs,
                 vector_kwargs={"num_workers": args.num_workers},
-                wrappers=[gym.wrappers.RecordEpisodeStatistics],
+                wrappers=wrappers,
             )
             try:
                 for seed in args.seeds:

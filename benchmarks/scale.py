@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # workers import bench
 from bench_envs import SleepEnv  # noqa: E402
 
 from clusterenv import ClusterEnv, Never, PolicyRunner  # noqa: E402
-from clusterenv.launch import LocalLauncher  # noqa: E402
+from clusterenv.launch.launchers import LocalLauncher  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 STEP_MODES = ("lockstep", "first-ready 1/2", "first-ready 1/4")

@@ -35,9 +35,9 @@ import gymnasium as gym
 import numpy as np
 import tyro
 
-import clusterenv.shared_obs
+import clusterenv.wire.shared_memory
 from clusterenv import ClusterEnv
-from clusterenv.protocol import NONCE_BYTES, Kind, coalesce, decode, encode, session_pair, split
+from clusterenv.wire.protocol import NONCE_BYTES, Kind, coalesce, decode, encode, session_pair, split
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SIZES = {"16 B (CartPole)": (4,), "28 KB (84x84x4)": (84, 84, 4), "100 KB (210x160x3)": (210, 160, 3)}
@@ -119,7 +119,7 @@ def codec_microseconds(shape: tuple[int, ...], envs_per_worker: int, cover_array
 
 
 def main(args: Args) -> None:
-    clusterenv.shared_obs.SHARED_OBS_MIN_BYTES = 1 << 62  # measure the wire, not the shared mapping
+    clusterenv.wire.shared_memory.SHARED_OBS_MIN_BYTES = 1 << 62  # measure the wire, not the shared mapping
     if args.quick:
         args = dataclasses.replace(args, seconds=1.0, repeats=1)
     rows = []

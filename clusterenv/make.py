@@ -11,7 +11,7 @@ import gymnasium as gym
 from gymnasium import Env, VectorizeMode, Wrapper, error
 from gymnasium.envs.registration import EnvSpec
 
-from clusterenv.env import ClusterEnv
+from clusterenv.learner.vector_env import ClusterEnv
 
 __all__ = ["make_vec"]
 

@@ -30,8 +30,8 @@ from stable_baselines3.common.env_util import is_wrapped
 from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices, VecEnvObs, VecEnvStepReturn
 from stable_baselines3.common.vec_env.patch_gym import _patch_env
 
-from clusterenv.batching import batch_of_items
-from clusterenv.env import ClusterEnv
+from clusterenv.learner.vector_env import ClusterEnv
+from clusterenv.wire.leaves import batch_of_items
 
 __all__ = ["ClusterVecEnv"]
 

@@ -310,7 +310,7 @@ def test_all_lists_exactly_the_public_names():
 
 
 def submodules():
-    return [info.name for info in pkgutil.iter_modules(clusterenv.__path__, "clusterenv.")]
+    return [info.name for info in pkgutil.walk_packages(clusterenv.__path__, "clusterenv.")]
 
 
 @pytest.mark.parametrize("module_name", submodules())
@@ -332,3 +332,11 @@ def test_every_module_declares_its_public_names(module_name):
 
 def test_version_matches_the_installed_distribution():
     assert clusterenv.__version__ == importlib.metadata.version("clusterenv")
+
+
+def test_worker_info_names_each_worker_and_how_long_it_has_been_silent():
+    with ClusterEnv([CARTPOLE] * 2, num_workers=2) as envs:
+        info = envs.worker_info
+        assert [entry["worker_id"] for entry in info] == [0, 1]
+        assert all(entry["pid"] > 0 and entry["host"] for entry in info)
+        assert all(0.0 <= entry["silent_s"] < 60.0 for entry in info)

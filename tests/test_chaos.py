@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from clusterenv import ClusterEnv
-from clusterenv.liveness import Heartbeat
+from clusterenv.wire.liveness import Heartbeat
 from tests.conftest import child_pids, wait_until
 
 pytestmark = pytest.mark.slow

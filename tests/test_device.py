@@ -17,7 +17,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from clusterenv import APS, ClusterEnv, PolicyError, PolicyRunner
-from clusterenv.policy import build_module, pack_architecture, policy_tensors, snapshot_weights
+from clusterenv.policy.shipping import build_module, pack_architecture, policy_tensors, snapshot_weights
 from tests.conftest import assert_same
 from tests.envs import RichSpacesEnv
 from tests.policies import DictPolicy

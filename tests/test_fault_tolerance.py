@@ -14,7 +14,7 @@ import pytest
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 from clusterenv import ClusterEnv, WorkerLostError
-from clusterenv.liveness import Heartbeat
+from clusterenv.wire.liveness import Heartbeat
 from tests.conftest import assert_same, child_pids, pid_alive, wait_until
 
 FAST = Heartbeat(interval=0.1, liveness=10)  # a silent worker is lost after 1 s

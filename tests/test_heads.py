@@ -26,8 +26,8 @@ from clusterenv import (
     TanhGaussian,
     default_head,
 )
-from clusterenv.heads import head_from_meta
-from clusterenv.sync import mean_kl
+from clusterenv.policy.heads import head_from_meta
+from clusterenv.policy.strategies import mean_kl
 
 BOX = spaces.Box(-2.0, 3.0, shape=(2,), dtype=np.float32)
 
@@ -217,13 +217,6 @@ def test_tanh_gaussian_log_prob_stays_finite_where_tanh_saturates():
     actions, log_probs = TanhGaussian().act(outputs, generators(0, 1))
     np.testing.assert_array_equal(actions, [[1.0, -1.0]])
     assert np.isfinite(log_probs).all() and np.isfinite(TanhGaussian().log_prob(outputs, actions)).all()
-
-
-def test_discrete_heads_accept_the_older_array_of_uniform_draws():
-    outputs = np.random.default_rng(0).normal(size=(6, 4))
-    by_generators = Categorical().act(outputs, generators(2, 6))
-    draws = np.array([rng.random() for rng in generators(2, 6)])
-    np.testing.assert_array_equal(by_generators[0], Categorical().act(outputs, draws)[0])
 
 
 @pytest.mark.parametrize("name, head, space", CASES, ids=IDS)

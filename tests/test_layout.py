@@ -1,73 +1,117 @@
-"""The architecture holds: the worker side never imports the learner side, and no module imports in a circle."""
+"""The architecture holds: each tier imports only the tiers below it, and no module imports in a circle.
+
+The tiers are the folders of ``clusterenv/`` (and its top-level modules). A rule is written per
+folder, so a module added to a folder is held to it without editing this file.
+"""
 
 from __future__ import annotations
 
 import ast
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "clusterenv"
-WORKER_SIDE = ["worker", "worker_policy", "worker_procs", "env_process", "recording"]
-LEARNER_SIDE = {
-    "env",
-    "pool",
-    "make",
-    "launch",
-    "ray_launcher",
-    "rollout",
-    "batch",
-    "buffers",
-    "first_ready",
-    "heartbeat_monitor",
+
+# What each part of the package may import, at module level or inside a function.
+MAY_IMPORT: dict[str, set[str]] = {
+    "errors": set(),
+    "wire": {"errors"},
+    "policy": {"errors", "wire"},
+    "worker": {"errors", "wire", "policy"},
+    "launch": {"errors", "wire"},
+    "learner": {"errors", "wire", "policy", "launch"},
+    "make": {"learner"},
+    "sb3": {"errors", "wire", "learner"},
+    "__init__": {"errors", "wire", "policy", "launch", "learner", "make"},
 }
+# The one import allowed only inside a function: a Ray actor runs the worker in its own process.
+INSIDE_A_FUNCTION_ONLY: dict[str, set[str]] = {"launch": {"worker"}}
 
 
-def module_level_imports(module: str) -> set[str]:
-    """``clusterenv`` modules imported at module level (outside ``if TYPE_CHECKING:`` and functions)."""
-    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
-    found: set[str] = set()
+@dataclass(frozen=True)
+class Import:
+    module: str  # the importing module, dotted ("clusterenv.worker.process")
+    target: str  # the imported clusterenv module, dotted
+    in_function: bool
+    type_checking: bool
 
-    def visit(nodes: list[ast.stmt]) -> None:
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def all_modules() -> dict[str, Path]:
+    return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def part_of(module: str) -> str:
+    """``errors``, ``wire``, ``worker``... for ``clusterenv.<part>[.<module>]``; ``__init__`` for the package."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def imports_of(module: str, path: Path, modules: set[str]) -> list[Import]:
+    found: list[Import] = []
+
+    def target(name: str) -> str:
+        """The module a name from ``from X import name`` refers to, or X itself."""
+        return name if name in modules else name.rsplit(".", 1)[0]
+
+    def visit(nodes: list[ast.stmt], in_function: bool, type_checking: bool) -> None:
         for node in nodes:
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-                visit(node.orelse)
-            elif isinstance(node, (ast.If, ast.Try)):
-                visit(node.body)
-                visit(node.orelse)
-                for handler in getattr(node, "handlers", []):
-                    visit(handler.body)
-            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("clusterenv"):
-                if node.module == "clusterenv":
-                    found.update(alias.name for alias in node.names)
-                else:
-                    found.add(node.module.split(".")[1])
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "clusterenv":
+                names = [target(f"{node.module}.{alias.name}") for alias in node.names]
+                for name in names if node.module == "clusterenv" else [node.module]:
+                    found.append(Import(module, name, in_function, type_checking))
             elif isinstance(node, ast.Import):
-                found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("clusterenv."))
+                for alias in node.names:
+                    if alias.name.split(".")[0] == "clusterenv":
+                        found.append(Import(module, alias.name, in_function, type_checking))
+            elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.body, in_function, True)
+                visit(node.orelse, in_function, type_checking)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(node.body, True, type_checking)
+            else:
+                for field in ("body", "orelse", "finalbody", "handlers"):
+                    visit([n for n in getattr(node, field, []) if isinstance(n, ast.AST)], in_function, type_checking)
 
-    visit(tree.body)
-    return found
+    visit(ast.parse(path.read_text()).body, False, False)
+    return [i for i in found if i.target != "clusterenv" or module != "clusterenv"]
 
 
-def all_modules() -> list[str]:
-    return sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
+def every_import() -> list[Import]:
+    modules = all_modules()
+    return [i for name, path in modules.items() for i in imports_of(name, path, set(modules))]
 
 
-@pytest.mark.parametrize("module", WORKER_SIDE)
-def test_worker_side_never_imports_the_learner_side(module: str) -> None:
-    reached, frontier = set(), [module]
-    while frontier:  # the transitive closure: a shared module must not pull the learner in either
-        for imported in module_level_imports(frontier.pop()):
-            if imported not in reached:
-                reached.add(imported)
-                frontier.append(imported)
-    assert not reached & LEARNER_SIDE, f"{module} reaches learner-side modules {sorted(reached & LEARNER_SIDE)}"
+def test_every_part_has_a_rule() -> None:
+    parts = {part_of(m) for m in all_modules()}
+    assert parts <= set(MAY_IMPORT), f"add a rule for {sorted(parts - set(MAY_IMPORT))} to MAY_IMPORT"
+
+
+@pytest.mark.parametrize("part", sorted(MAY_IMPORT))
+def test_each_part_imports_only_the_tiers_below_it(part: str) -> None:
+    wrong = []
+    for i in every_import():
+        if part_of(i.module) != part or part_of(i.target) == part:
+            continue
+        allowed = MAY_IMPORT[part] | (INSIDE_A_FUNCTION_ONLY.get(part, set()) if i.in_function else set())
+        if part_of(i.target) not in allowed:
+            wrong.append(f"{i.module} imports {i.target}")
+    assert not wrong, f"{part} may import only {sorted(MAY_IMPORT[part])}: " + "; ".join(wrong)
 
 
 def test_no_import_cycles_at_module_level() -> None:
-    graph = {m: module_level_imports(m) & set(all_modules()) for m in all_modules()}
+    graph: dict[str, set[str]] = {m: set() for m in all_modules()}
+    for i in every_import():
+        if not i.in_function and not i.type_checking and i.target in graph and i.target != "clusterenv":
+            graph[i.module].add(i.target)
     state: dict[str, str] = {}
 
     def visit(node: str, path: list[str]) -> None:
@@ -83,10 +127,10 @@ def test_no_import_cycles_at_module_level() -> None:
             visit(module, [])
 
 
-def test_a_worker_process_loads_no_learner_module() -> None:
-    code = "import sys, clusterenv.worker; print(' '.join(sys.modules))"
+def test_a_worker_process_loads_neither_the_learner_nor_torch() -> None:
+    code = "import sys, clusterenv.worker.process; print(' '.join(sys.modules))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     names = loaded.stdout.split()
-    modules = {name.split(".")[1] for name in names if name.startswith("clusterenv.")}
-    assert not modules & LEARNER_SIDE, f"the worker loaded {sorted(modules & LEARNER_SIDE)}"
+    parts = {part_of(name) for name in names if name.startswith("clusterenv.")}
+    assert not parts & {"learner", "launch", "make", "sb3"}, f"the worker loaded {sorted(parts)}"
     assert "torch" not in names, "a worker without a policy must not pay for importing torch"

@@ -29,7 +29,7 @@ import pytest
 from gymnasium.error import ClosedEnvironmentError
 
 from clusterenv import ClusterEnv, ClusterEnvError, RemoteEnvError, WorkerLostError, WorkerTimeoutError
-from clusterenv.cleanup import remove_stale_dirs, scratch_dir
+from clusterenv.wire.cleanup import remove_stale_dirs, scratch_dir
 from tests.conftest import child_pids, pid_alive, wait_until
 from tests.envs import FailingEnv, SlowEnv, StuckEnv
 
@@ -138,7 +138,7 @@ LEARNER_MID_STEP = textwrap.dedent(
     import functools, json, sys, time
     import numpy as np
     from clusterenv import ClusterEnv
-    from clusterenv.liveness import Heartbeat
+    from clusterenv.wire.liveness import Heartbeat
     from tests.envs import StuckEnv
 
     started, bind, launcher = sys.argv[1], sys.argv[2] or None, sys.argv[3]
@@ -220,7 +220,9 @@ def test_learner_killed_mid_step_ends_its_worker_within_the_heartbeat_expiry(lau
 
 
 def test_scratch_directories_are_removed_only_when_their_learner_is_gone():
-    make = "from clusterenv.cleanup import *; print(scratch_dir()); print(scratch_dir('obs', shared_memory_base()))"
+    make = (
+        "from clusterenv.wire.cleanup import *; print(scratch_dir()); print(scratch_dir('obs', shared_memory_base()))"
+    )
     made = subprocess.run([sys.executable, "-c", make], capture_output=True, text=True, check=True, cwd=ROOT)
     of_dead = made.stdout.split()  # an ipc directory and a shared observations directory
     dead_pid = os.path.basename(of_dead[0]).split("-")[1]

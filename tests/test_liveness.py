@@ -21,7 +21,7 @@ import zmq
 from gymnasium.vector import SyncVectorEnv
 
 from clusterenv import ClusterEnv, WorkerLostError
-from clusterenv.liveness import Heartbeat
+from clusterenv.wire.liveness import Heartbeat
 from tests.conftest import assert_same, pid_alive, wait_until
 from tests.envs import BusyEnv, hold_gil
 

@@ -14,8 +14,8 @@ import torch
 from gymnasium.vector import SyncVectorEnv
 
 from clusterenv import APS, Categorical, ClusterEnv, Greedy, PolicyError, PolicyRunner, ProtocolError
-from clusterenv.protocol import ROLLOUT_FIELDS, rollout_frames, split_rollout_frames
-from clusterenv.sync import mean_kl
+from clusterenv.policy.strategies import mean_kl
+from clusterenv.wire.protocol import ROLLOUT_FIELDS, rollout_frames, split_rollout_frames
 from tests.conftest import assert_same
 from tests.envs import RichSpacesEnv, TextObsEnv
 from tests.policies import DictPolicy, TuplePolicy, structured_outputs
@@ -92,7 +92,7 @@ def test_dict_observations_reach_the_module_and_the_batch_as_step_mode_returns_t
     workers, procs, image_shape, caplog
 ):
     policy = DictPolicy(3, image_shape, seed=1)
-    caplog.set_level(logging.DEBUG, logger="clusterenv.buffers")
+    caplog.set_level(logging.DEBUG, logger="clusterenv.learner.step_buffers")
     with rich_envs(4, workers, image_shape, procs_per_worker=procs) as envs:
         batch = PolicyRunner(envs, policy, head=Greedy(), seed=5).rollout(40)
     if image_shape == BIG_IMAGE:  # the workers' envs write into the learner's mapping; rollouts still copy per leaf

@@ -23,7 +23,7 @@ from clusterenv import (
     PolicyError,
     PolicyRunner,
 )
-from clusterenv.sync import kl_divergence, mean_kl
+from clusterenv.policy.strategies import kl_divergence, mean_kl
 from tests.policies import BiasPolicy, FlatOutputPolicy, LockedPolicy, linear_policy, outputs, pole_policy
 
 CARTPOLE = functools.partial(gym.make, "CartPole-v1")

@@ -146,8 +146,7 @@ def test_prefetching_holds_the_envs_until_stop():
 def test_close_in_the_middle_of_a_prefetch_returns_promptly():
     envs = ClusterEnv([lambda: SlowCartPole(0.02)] * 2, num_workers=2)
     runner = PolicyRunner(envs, linear_policy(4, 2, seed=0), seed=0, prefetch=3)
-    runner.rollout(5)  # 3 more rollouts of 100 ms each are queued per worker... then 200 steps more:
-    runner._refill(range(2), 5, runner.head)
+    runner.rollout(50)  # 3 more rollouts of 1 s each are queued per worker
     started = time.monotonic()
     envs.close()
     assert time.monotonic() - started < 2.0, "workers must abandon queued rollouts on CLOSE"

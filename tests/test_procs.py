@@ -21,8 +21,8 @@ import pytest
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 from clusterenv import ClusterEnv, RemoteEnvError, WorkerLostError
-from clusterenv.liveness import Heartbeat
-from clusterenv.worker_procs import ENV_PROCESS_LOST_EXIT_CODE
+from clusterenv.wire.liveness import Heartbeat
+from clusterenv.worker.env_processes import ENV_PROCESS_LOST_EXIT_CODE
 from tests.conftest import assert_same, child_pids, pid_alive, wait_until
 from tests.envs import BrokenInitEnv, FailingEnv, FailingResetEnv, SlowEnv
 from tests.test_remote import SECRET, free_address, run_lockstep, spawn, worker_command  # noqa: F401 (fixture)

@@ -41,7 +41,7 @@ def three_nodes():
 
 
 def test_workers_spread_over_three_nodes_step_exactly_and_survive_losing_a_node(three_nodes):
-    from clusterenv.ray_launcher import RayLauncher
+    from clusterenv.launch.ray import RayLauncher
 
     ray, cluster = three_nodes
     assert len([node for node in ray.nodes() if node["Alive"]]) == 3

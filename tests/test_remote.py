@@ -17,8 +17,8 @@ import pytest
 from gymnasium.vector import SyncVectorEnv
 
 from clusterenv import ClusterEnv, WorkerStartError
-from clusterenv.liveness import LEARNER_LOST_EXIT_CODE, Heartbeat
-from clusterenv.transport import SECRET_ENV_VAR
+from clusterenv.wire.liveness import LEARNER_LOST_EXIT_CODE, Heartbeat
+from clusterenv.wire.transport import SECRET_ENV_VAR
 from tests.conftest import assert_same, child_pids, pid_alive, wait_until
 
 SECRET = "a shared secret for these tests"
@@ -101,7 +101,7 @@ LEARNER = textwrap.dedent(
     import sys, time
     import gymnasium as gym
     from clusterenv import ClusterEnv
-    from clusterenv.liveness import Heartbeat
+    from clusterenv.wire.liveness import Heartbeat
     envs = ClusterEnv([lambda: gym.make("CartPole-v1")], num_workers=1, bind=sys.argv[1], launcher="external",
                       heartbeat=Heartbeat(**eval(sys.argv[2])))
     envs.reset(seed=0)
@@ -153,7 +153,7 @@ def ray_cluster():
 
 @pytest.mark.xdist_group("ray")
 def test_ray_actors_serve_the_envs_and_are_replaced_when_killed(ray_cluster):
-    from clusterenv.ray_launcher import RayLauncher
+    from clusterenv.launch.ray import RayLauncher
 
     launcher = RayLauncher(num_cpus_per_worker=1)
     with (

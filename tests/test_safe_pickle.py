@@ -16,7 +16,7 @@ import pytest
 from gymnasium import spaces
 
 from clusterenv import ClusterEnv, RemoteEnvError, UntrustedPickleError
-from clusterenv.safe_pickle import loader
+from clusterenv.wire.safe_pickle import loader
 from tests.conftest import assert_same
 from tests.test_remote import SECRET, free_address, spawn, worker_command  # noqa: F401 (spawn is a fixture)
 from tests.test_security import Marker

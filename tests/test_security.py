@@ -21,28 +21,27 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import clusterenv.protocol as protocol
-import clusterenv.transport as transport
 from clusterenv import AuthenticationError, ClusterEnv, ProtocolError, WorkerStartError
-from clusterenv.heartbeat_monitor import HeartbeatMonitor
-from clusterenv.liveness import HEARTBEAT_MAX_BYTES, Heartbeat
-from clusterenv.protocol import (
-    _TRAILER,
+from clusterenv.learner.heartbeat_monitor import HeartbeatMonitor
+from clusterenv.wire import protocol, transport
+from clusterenv.wire.liveness import HEARTBEAT_MAX_BYTES, Heartbeat
+from clusterenv.wire.protocol import (
     COALESCE_BYTES,
     MAX_HEADER_BYTES,
     NONCE_BYTES,
     PROTOCOL_VERSION,
     Kind,
-    _tag,
     coalesce,
-    decode,
     encode,
     hello_session,
     parse,
+    read_trailer,
     session_pair,
     split,
+    trailer,
+    verify,
 )
-from clusterenv.transport import _DROP_LOG_BURST, PRE_JOIN_BYTES, SECRET_ENV_VAR, Channel
+from clusterenv.wire.transport import DROP_LOG_BURST, PRE_JOIN_BYTES, SECRET_ENV_VAR, Channel
 from tests.conftest import assert_same
 from tests.test_remote import SECRET as WORKER_SECRET  # what the `spawn` fixture gives its processes
 from tests.test_remote import free_address, spawn, worker_command  # noqa: F401 (spawn is a fixture)
@@ -108,7 +107,7 @@ def test_learner_drops_unauthenticated_peers_and_keeps_serving(tmp_path, caplog)
         rogue.setsockopt(zmq.LINGER, 0)
         rogue.connect(envs.address)
         try:
-            with caplog.at_level(logging.WARNING, logger="clusterenv.transport"):
+            with caplog.at_level(logging.WARNING, logger="clusterenv.wire.transport"):
                 for frames in attacks(marker):
                     rogue.send_multipart(frames)
                 # The rogue messages are read (and dropped) while the learner waits for replies.
@@ -183,9 +182,15 @@ def itemsize(name: str) -> int:
         return 1
 
 
+def decode(frames, *, mac, cover_arrays):
+    """What a receiving end does: check the MAC before anything is parsed, then parse."""
+    _, n_arrays = verify(frames, mac=mac, cover_arrays=cover_arrays)
+    return parse(frames, n_arrays)
+
+
 def signed(frames: list[bytes], n_arrays: int, counter: int = 1) -> list[bytes]:
     """``frames`` with a valid trailer, as a holder of the key would send them."""
-    return [*frames, _TRAILER.pack(counter, n_arrays, _tag(MAC, counter, n_arrays, frames, True))]
+    return [*frames, trailer(MAC, counter, n_arrays, frames, True)]
 
 
 @st.composite
@@ -279,8 +284,13 @@ def test_the_header_size_is_checked_before_it_is_copied():
 def test_the_mac_covers_the_array_count_and_the_frame_lengths():
     array, blob = np.arange(4, dtype=np.uint8), b"blob"
     frames = encode(Kind.RESULT, {}, [array], [blob], mac=MAC, counter=1, cover_arrays=False)
-    counter, n_arrays, tag = _TRAILER.unpack(frames[-1])
-    as_blob = [frames[0], frames[1], frames[2], _TRAILER.pack(counter, 0, tag)]  # the array passed off as a blob
+    counter, _, tag = read_trailer(frames[-1])
+    as_blob = [
+        frames[0],
+        frames[1],
+        frames[2],
+        struct.pack("<QI32s", counter, 0, tag),
+    ]  # the array passed off as a blob
     with pytest.raises(AuthenticationError):
         decode(as_blob, mac=MAC, cover_arrays=False)
     longer = [frames[0], np.arange(5, dtype=np.uint8), frames[2], frames[3]]  # uncovered, yet its length is
@@ -400,7 +410,7 @@ def test_replayed_and_reordered_messages_are_dropped(net, caplog):
     for counter in [base + 1, base + 1, base + 3, base + 2, base + 4]:  # a replay, then a reordering
         worker.socket.send_multipart(frames(counter))
     seen = []
-    with caplog.at_level(logging.WARNING, logger="clusterenv.transport"):
+    with caplog.at_level(logging.WARNING, logger="clusterenv.wire.transport"):
         while (received := learner.recv(2, routed=True)) is not None:
             seen.append(received[1].meta["seq"])
     assert seen == [base + 1, base + 3, base + 4]
@@ -467,7 +477,7 @@ def test_peers_that_have_not_joined_may_send_only_small_messages(net, monkeypatc
     def verify(*args, **kwargs):
         raise AssertionError("an oversized message from a peer that has not joined was authenticated")
 
-    with monkeypatch.context() as patch, caplog.at_level(logging.WARNING, logger="clusterenv.transport"):
+    with monkeypatch.context() as patch, caplog.at_level(logging.WARNING, logger="clusterenv.wire.transport"):
         patch.setattr(transport, "verify", verify)
         assert learner.recv(2, routed=True) is None
     assert f"exceeds the {PRE_JOIN_BYTES}-byte limit for a peer that has not joined" in caplog.text
@@ -477,27 +487,28 @@ def test_peers_that_have_not_joined_may_send_only_small_messages(net, monkeypatc
     assert wire_kinds(rogue, 5) == [Kind.WELCOME]
 
 
-def test_dropped_message_warnings_are_rate_limited(net, caplog):
+def test_dropped_message_warnings_are_rate_limited(net, caplog, monkeypatch):
+    monkeypatch.setattr(transport, "DROP_LOG_WINDOW_S", 1.0)
     learner = net.learner()
     rogue = net.raw(zmq.DEALER)
     rogue.connect(learner.endpoint)
-    with caplog.at_level(logging.WARNING, logger="clusterenv.transport"):
-        for _ in range(3 * _DROP_LOG_BURST):
+    with caplog.at_level(logging.WARNING, logger="clusterenv.wire.transport"):
+        for _ in range(3 * DROP_LOG_BURST):
             rogue.send(b"garbage")
         while learner.recv(1, routed=True) is not None:
             pass
-        assert len(caplog.records) == _DROP_LOG_BURST
-        learner._drop_log.window_end = 0.0  # the window is over
+        assert len(caplog.records) == DROP_LOG_BURST
+        time.sleep(1.0)  # the window is over
         rogue.send(b"garbage")
         assert learner.recv(1, routed=True) is None
-    summary = f"Dropped {2 * _DROP_LOG_BURST} more messages in the last"
+    summary = f"Dropped {2 * DROP_LOG_BURST} more messages in the last"
     assert caplog.records[-2].getMessage().startswith(summary)
     assert caplog.records[-1].getMessage().startswith("Dropped a message from ")
 
 
 def test_the_heartbeat_socket_refuses_large_messages_before_reading_them(net, caplog):
     monitor, beat, mac = watched_beat(net)
-    with caplog.at_level(logging.WARNING, logger="clusterenv.transport"):
+    with caplog.at_level(logging.WARNING, logger="clusterenv.wire.transport"):
         beat.send(b"\0" * (HEARTBEAT_MAX_BYTES + 1))  # ZeroMQ closes the connection; the socket reconnects
         time.sleep(0.5)
         beat.send_multipart(encode(Kind.HEARTBEAT, mac=mac, counter=1, cover_arrays=False))
@@ -564,7 +575,7 @@ def test_external_workers_must_encrypt_when_the_learner_does(spawn):  # noqa: F8
 
 FLOOD = """
 import os, sys, time, zmq
-from clusterenv.transport import Curve
+from clusterenv.wire.transport import Curve
 context = zmq.Context()
 payload = bytes(int(sys.argv[2]) << 20)
 for curve in [None, Curve.from_secret(b"incorrect horse battery staple")]:

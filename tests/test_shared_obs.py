@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import glob
 import logging
-import mmap
 import os
 from typing import Any
 
@@ -15,7 +14,7 @@ import pytest
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 from clusterenv import ClusterEnv
-from clusterenv.shared_obs import SHARED_OBS_MIN_BYTES, SharedObservations, attach, bytes_per_env
+from clusterenv.wire.shared_memory import SHARED_OBS_MIN_BYTES, SharedObservations, attach, bytes_per_env
 from tests.test_equivalence import run_lockstep
 
 FRAME = (96, 128, 3)  # 36 KB per env: two envs per worker are above the sharing threshold
@@ -50,11 +49,6 @@ class ImageEnv(gym.Env):
         return self._obs(), float(action), self._left == 0, False, {"left": self._left}
 
 
-def shared_buffer(observations: Any) -> object | None:
-    leaf = observations["frame"] if isinstance(observations, dict) else observations
-    return leaf.base
-
-
 MODES = [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP, AutoresetMode.DISABLED]
 OBS = {"Box image": False, "Dict(image, vector)": True}
 
@@ -68,20 +62,20 @@ CASES.update({f"Dict(image, vector)-{mode.value}-2 procs": (True, mode, 2) for m
 def test_shared_observations_are_bit_identical_to_sync_vector_env(dict_obs, mode, procs, caplog):
     env_fn = functools.partial(ImageEnv, dict_obs)
     reference = SyncVectorEnv([env_fn] * 5, autoreset_mode=mode)
-    with caplog.at_level(logging.DEBUG, logger="clusterenv.buffers"):
+    with caplog.at_level(logging.DEBUG, logger="clusterenv.learner.step_buffers"):
         candidate = ClusterEnv([env_fn] * 5, num_workers=2, autoreset_mode=mode, procs_per_worker=procs)
     with candidate:
-        assert isinstance(shared_buffer(candidate._buffers.observations), mmap.mmap), "expected the shared-memory path"
         assert "Workers [0, 1] write observations into shared memory" in caplog.text
         episodes = run_lockstep(reference, candidate, steps=200, seed=7)
     reference.close()
     assert episodes > 20
 
 
-def test_small_observations_travel_as_frames():
+def test_small_observations_travel_as_frames(caplog):
     assert 2 * bytes_per_env(gym.make("CartPole-v1").observation_space) < SHARED_OBS_MIN_BYTES
-    with ClusterEnv([lambda: gym.make("CartPole-v1")] * 4, num_workers=2) as envs:
-        assert not isinstance(envs._buffers.observations.base, mmap.mmap)
+    with caplog.at_level(logging.DEBUG, logger="clusterenv.learner.step_buffers"):
+        ClusterEnv([lambda: gym.make("CartPole-v1")] * 4, num_workers=2).close()
+    assert "observations into shared memory" not in caplog.text
 
 
 def test_the_shared_file_is_removed_once_workers_have_mapped_it():

@@ -7,7 +7,7 @@ a worker that is gone fails loudly instead of vanishing.
 
 Joining: a worker's first message is HELLO with a fresh nonce; the learner answers
 WELCOME with its own nonce (echoing the worker's), and both derive the keys of that
-connection (:func:`~clusterenv.protocol.session_pair`); the worker proves it holds them
+connection (:func:`~clusterenv.wire.protocol.session_pair`); the worker proves it holds them
 with JOIN. Only then does the learner's caller see the HELLO. A replayed HELLO earns a
 WELCOME that nobody without the secret can answer; a replayed WELCOME does not echo the
 worker's current nonce. From then on each message carries a counter under its MAC, and
@@ -41,9 +41,9 @@ import numpy as np
 import zmq
 from zmq.utils import z85
 
-from clusterenv.cleanup import scratch_dir
 from clusterenv.errors import ProtocolError
-from clusterenv.protocol import (
+from clusterenv.wire.cleanup import scratch_dir
+from clusterenv.wire.protocol import (
     NONCE_BYTES,
     Kind,
     Message,
@@ -59,6 +59,8 @@ from clusterenv.protocol import (
 )
 
 __all__ = [
+    "DROP_LOG_BURST",
+    "DROP_LOG_WINDOW_S",
     "MAX_MESSAGE_BYTES",
     "PRE_JOIN_BYTES",
     "SECRET_ENV_VAR",
@@ -79,8 +81,8 @@ PRE_JOIN_BYTES = 4096
 # Joins under way (HELLO answered, JOIN awaited): the oldest is forgotten beyond this.
 _MAX_PENDING_JOINS = 64
 # Dropped messages logged one by one per window; the rest are counted in one line.
-_DROP_LOG_BURST = 10
-_DROP_LOG_WINDOW_S = 10.0
+DROP_LOG_BURST = 10
+DROP_LOG_WINDOW_S = 10.0
 
 
 def new_identity(worker_id: int | None) -> bytes:
@@ -161,7 +163,7 @@ class Curve:
 
 
 class _DropLog:
-    """Logs dropped messages, at most ``_DROP_LOG_BURST`` per window: a flood must not flood the log."""
+    """Logs dropped messages, at most ``DROP_LOG_BURST`` per window: a flood must not flood the log."""
 
     def __init__(self) -> None:
         self.window_end = 0.0
@@ -175,10 +177,10 @@ class _DropLog:
                 logger.warning(
                     "Dropped %d more messages in the last %.0f s without logging them.",
                     self.suppressed,
-                    _DROP_LOG_WINDOW_S,
+                    DROP_LOG_WINDOW_S,
                 )
-            self.window_end, self.logged, self.suppressed = now + _DROP_LOG_WINDOW_S, 0, 0
-        if self.logged < _DROP_LOG_BURST:
+            self.window_end, self.logged, self.suppressed = now + DROP_LOG_WINDOW_S, 0, 0
+        if self.logged < DROP_LOG_BURST:
             self.logged += 1
             logger.warning("Dropped a message from %r: %s", sender, exc)
         else:

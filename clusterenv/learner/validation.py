@@ -14,8 +14,8 @@ import numpy as np
 from gymnasium import Env, spaces
 from gymnasium.vector.utils import iterate
 
-from clusterenv.batching import leaf_arrays
-from clusterenv.protocol import MAX_HEADER_INT
+from clusterenv.wire.leaves import leaf_arrays
+from clusterenv.wire.protocol import MAX_HEADER_INT
 
 __all__ = [
     "action_items",
@@ -32,8 +32,6 @@ __all__ = [
     "check_reset_options",
     "check_seconds",
     "check_seeds",
-    "check_spaces",
-    "per_env_values",
     "pickle_argument",
     "pickle_env_fn",
 ]
@@ -62,29 +60,6 @@ def check_observation_mode(observation_mode: Any) -> str | tuple[spaces.Space, s
         "Invalid `observation_mode`, expected: 'same' or 'different' or tuple of single and batch observation "
         f"space, actual got {observation_mode}"
     )
-
-
-def check_spaces(
-    observation_spaces: list[spaces.Space], action_spaces: list[spaces.Space], observation_mode: str
-) -> None:
-    """Every env's spaces fit env 0's, checked as ``SyncVectorEnv`` checks them, with its messages.
-
-    Each worker's ``SyncVectorEnv`` checks its own envs; this checks across workers.
-    """
-    single_observation_space, single_action_space = observation_spaces[0], action_spaces[0]
-    for observation_space, action_space in zip(observation_spaces, action_spaces, strict=True):
-        if observation_mode == "same" and observation_space != single_observation_space:
-            raise RuntimeError(
-                "SyncVectorEnv(..., observation_mode='same') however the sub-environments observation spaces are not "
-                f"equivalent. single_observation_space={single_observation_space}, sub-environment "
-                f"observation_space={observation_space}. If this is intentional, use `observation_mode='different'` "
-                "instead."
-            )
-        if action_space != single_action_space:
-            raise RuntimeError(
-                "Sub-environment action space doesn't make the `single_action_space`, "
-                f"action_space={action_space}, single_action_space={single_action_space}"
-            )
 
 
 def check_seconds(name: str, value: Any, *, allow_none: bool) -> Any:
@@ -175,18 +150,6 @@ def check_batch_size(batch_size: Any, num_envs: int, num_workers: int) -> int:
             f"{num_workers} workers), so that recv() returns whole workers; got {batch_size}."
         )
     return batch_size
-
-
-def per_env_values(values: Any, num_envs: int) -> list[Any] | tuple[Any, ...]:
-    """``set_attr``'s values: one per env, or one value for all (as ``SyncVectorEnv.set_attr`` takes them)."""
-    if not isinstance(values, (list, tuple)):
-        return [values for _ in range(num_envs)]
-    if len(values) != num_envs:
-        raise ValueError(
-            "Values must be a list or tuple with length equal to the number of environments. "
-            f"Got `{len(values)}` values for {num_envs} environments."
-        )
-    return values
 
 
 def check_seeds(seed: Any, num_envs: int) -> list[int | None]:

@@ -20,7 +20,7 @@ copy that may lag. The flow, per worker::
 PROBE goes out whenever a result arrives and again on every :meth:`PolicyRunner.publish`;
 weight pulls are answered whenever the learner is inside ``rollout``, ``fragments`` or
 ``publish``. Each step records the version that acted, so the batch carries its lag.
-The worker side is :mod:`clusterenv.worker_policy`. This module imports torch lazily.
+The worker side is :mod:`clusterenv.worker.local_policy`. This module imports torch lazily.
 """
 
 from __future__ import annotations
@@ -35,21 +35,21 @@ import cloudpickle
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
-from clusterenv.batch import RolloutBatch
-from clusterenv.batching import InfoRecord, leaf_specs, replay_infos, unflatten
-from clusterenv.buffers import WORKER_RESTARTED_KEY
-from clusterenv.env import ClusterEnv
 from clusterenv.errors import PolicyError, ProtocolError, WorkerTimeoutError
-from clusterenv.heads import Head, default_head
-from clusterenv.pool import WorkerPool, weak_callback
-from clusterenv.protocol import ROLLOUT_FIELDS, Kind, Message, split_rollout_frames
-from clusterenv.sync import EveryUpdate, SyncStrategy, Telemetry, WorkerTelemetry
+from clusterenv.learner.pool import WorkerPool, weak_callback
+from clusterenv.learner.rollout_batch import RolloutBatch
+from clusterenv.learner.step_buffers import WORKER_RESTARTED_KEY
+from clusterenv.learner.vector_env import ClusterEnv
+from clusterenv.policy.heads import Head, default_head
+from clusterenv.policy.strategies import EveryUpdate, SyncStrategy, Telemetry, WorkerTelemetry
+from clusterenv.wire.leaves import InfoRecord, leaf_specs, replay_infos, unflatten
+from clusterenv.wire.protocol import ROLLOUT_FIELDS, Kind, Message, split_rollout_frames
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from clusterenv.policy import LocalPolicy
+    from clusterenv.policy.shipping import LocalPolicy
 
 __all__ = ["PolicyRunner", "RolloutBatch"]
 
@@ -60,7 +60,7 @@ class PolicyRunner:
     The runner ships the policy once, then each :meth:`rollout` returns ``num_steps`` steps
     of all envs, acted by the workers' copies. Before each rollout a worker lets ``sync``
     decide, from ``KL(π_learner ‖ π_local)`` on its own recent observations (see
-    :mod:`clusterenv.sync`) or from the version lag, whether to pull the latest published
+    :mod:`clusterenv.policy.strategies`) or from the version lag, whether to pull the latest published
     weights. With ``prefetch=0`` plain ``envs.step(actions)`` keeps working between
     rollouts: a rollout continues from wherever the envs are. With ``prefetch >= 1`` the
     runner holds the envs from its first rollout until :meth:`stop`. One runner per env at
@@ -122,9 +122,9 @@ class PolicyRunner:
             policy: a ``torch.nn.Module`` mapping observations ``(B, *obs_shape)`` (a dict or
                 tuple of such tensors for ``Dict``/``Tuple`` spaces) to outputs ``(B, width)``
                 (logits, Q-values, or the head's parameters), or a zero-argument callable returning one.
-            sync: when workers pull new weights; default :class:`~clusterenv.sync.EveryUpdate`.
+            sync: when workers pull new weights; default :class:`~clusterenv.policy.strategies.EveryUpdate`.
             head: how outputs become the acting distribution; default
-                :func:`~clusterenv.heads.default_head` of the action space (Discrete: softmax).
+                :func:`~clusterenv.policy.heads.default_head` of the action space (Discrete: softmax).
                 Use ``EpsilonGreedy`` for Q-values.
             seed: seeds each env's action-sampling generator as ``default_rng([seed, env_index])``,
                 and ``envs.reset(seed=seed)`` if the envs were never reset.
@@ -138,7 +138,13 @@ class PolicyRunner:
         """
         from torch import nn
 
-        from clusterenv.policy import LocalPolicy, pack_architecture, resolve_device, snapshot_weights, validate_policy
+        from clusterenv.policy.shipping import (
+            LocalPolicy,
+            pack_architecture,
+            resolve_device,
+            snapshot_weights,
+            validate_policy,
+        )
 
         if not isinstance(envs, ClusterEnv):
             raise TypeError(f"`envs` must be a ClusterEnv, whose workers can hold a policy, got {type(envs).__name__}.")
@@ -225,7 +231,7 @@ class PolicyRunner:
         """
         from torch import nn
 
-        from clusterenv.policy import snapshot_weights
+        from clusterenv.policy.shipping import snapshot_weights
 
         source = self._policy if policy is None else policy
         if not isinstance(source, nn.Module):

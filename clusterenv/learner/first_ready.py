@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from clusterenv.batching import replay_infos
-from clusterenv.buffers import WORKER_RESTARTED_KEY, BatchBuffers
 from clusterenv.errors import WorkerTimeoutError
-from clusterenv.pool import WorkerPool
-from clusterenv.protocol import STEP_FIELDS, Kind, Message
+from clusterenv.learner.pool import WorkerPool
+from clusterenv.learner.step_buffers import WORKER_RESTARTED_KEY, BatchBuffers
+from clusterenv.wire.leaves import replay_infos
+from clusterenv.wire.protocol import STEP_FIELDS, Kind, Message
 
 __all__ = ["FirstReady", "Ready"]
 

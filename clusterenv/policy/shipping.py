@@ -38,9 +38,9 @@ from gymnasium import spaces
 from gymnasium.vector.utils import create_empty_array
 from torch import nn
 
-from clusterenv.batching import is_array_tree
 from clusterenv.errors import PolicyError
-from clusterenv.heads import Head
+from clusterenv.policy.heads import Head
+from clusterenv.wire.leaves import is_array_tree
 
 __all__ = [
     "LocalPolicy",

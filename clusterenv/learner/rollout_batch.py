@@ -1,4 +1,4 @@
-"""``RolloutBatch``: the transitions a :class:`~clusterenv.rollout.PolicyRunner` hands to the learner."""
+"""``RolloutBatch``: the transitions a :class:`~clusterenv.learner.rollouts.PolicyRunner` hands to the learner."""
 
 from __future__ import annotations
 

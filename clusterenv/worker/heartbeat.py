@@ -15,8 +15,8 @@ import time
 
 import zmq
 
-from clusterenv.cleanup import kill_descendants
-from clusterenv.liveness import (
+from clusterenv.wire.cleanup import kill_descendants
+from clusterenv.wire.liveness import (
     HEARTBEAT_MAX_BYTES,
     LEARNER_LOST_EXIT_CODE,
     Heartbeat,
@@ -24,8 +24,8 @@ from clusterenv.liveness import (
     connect_address,
     monitor_events,
 )
-from clusterenv.protocol import Kind, Session
-from clusterenv.transport import Channel, Curve
+from clusterenv.wire.protocol import Kind, Session
+from clusterenv.wire.transport import Channel, Curve
 
 logger = logging.getLogger(__name__)
 

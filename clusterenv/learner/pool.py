@@ -4,7 +4,7 @@ The pool carries commands and replies; it knows nothing of environments. It owns
 ROUTER channel, the heartbeat monitor, the launcher, which routing id is which worker,
 the per-call sequence number (a reply counts only if it answers the current call), and
 the translation of remote errors, timeouts and lost workers into exceptions.
-:class:`~clusterenv.env.ClusterEnv` builds the commands and reads the replies.
+:class:`~clusterenv.learner.vector_env.ClusterEnv` builds the commands and reads the replies.
 
 Restarts (``on_worker_failure="restart"``): when a worker is lost (its process exited,
 or its heartbeat connection dropped), the pool first collects every other worker's reply,
@@ -16,7 +16,7 @@ replays its INIT (the same env factories, flagged ``replacement``), runs the
 * ``reset``, ``call``, ``get_attr``, ``set_attr``: replays the command, so a seeded reset
   returns exactly what the lost worker would have returned;
 * ``step``: adds the worker to :attr:`WorkerPool.interrupted`; the env reports the cut
-  episode as truncated (see docs/cluster.md for the exact semantics);
+  episode as truncated (see docs/guides/fault-tolerance.md for the exact semantics);
 * commands an extension added to :attr:`WorkerPool.replayable` (a policy runner's
   rollout): replays them on the fresh envs;
 * anything else: raises ``WorkerLostError``.
@@ -36,7 +36,6 @@ from typing import Any
 import numpy as np
 import zmq
 
-from clusterenv.cleanup import remove_stale_dirs
 from clusterenv.errors import (
     RemoteEnvError,
     WorkerLostError,
@@ -45,12 +44,13 @@ from clusterenv.errors import (
     builtin_exception_type,
     remote_error_type,
 )
-from clusterenv.heartbeat_monitor import HeartbeatMonitor
-from clusterenv.launch import Launcher, LocalLauncher, resolve_launcher
-from clusterenv.liveness import Heartbeat, heartbeat_address
-from clusterenv.protocol import Kind, Message
-from clusterenv.safe_pickle import loader
-from clusterenv.transport import Channel, Curve, is_loopback, resolve_secret
+from clusterenv.launch.launchers import Launcher, LocalLauncher, resolve_launcher
+from clusterenv.learner.heartbeat_monitor import HeartbeatMonitor
+from clusterenv.wire.cleanup import remove_stale_dirs
+from clusterenv.wire.liveness import Heartbeat, heartbeat_address
+from clusterenv.wire.protocol import Kind, Message
+from clusterenv.wire.safe_pickle import loader
+from clusterenv.wire.transport import Channel, Curve, is_loopback, resolve_secret
 
 __all__ = ["Command", "WorkerPool", "weak_callback"]
 
@@ -77,14 +77,14 @@ class WorkerPool:
         num_workers: how many workers (ids ``0 .. num_workers - 1``).
         bind: learner address; ``None`` is a private ``ipc://`` socket. Non-loopback addresses require a secret.
         secret: shared HMAC secret (or ``$CLUSTERENV_SECRET``); random when workers are local.
-        launcher: ``"local"``, ``"external"``, ``"ray"`` or a :class:`~clusterenv.launch.Launcher`.
+        launcher: ``"local"``, ``"external"``, ``"ray"`` or a :class:`~clusterenv.launch.launchers.Launcher`.
         heartbeat: heartbeat constants; a worker whose heartbeat connection drops (dead or frozen) is lost.
         on_worker_failure: ``"raise"`` or ``"restart"``.
         start_timeout: seconds for workers to join and build their envs.
         describe_work: names what a worker was running in a lost-worker error, e.g. ``"envs 4..7"``.
         trusted_classes: classes (or ``"module.Name"``) that replies from workers this pool did not
-            start itself may contain, beyond data (see :mod:`clusterenv.safe_pickle`).
-        encrypt: CurveZMQ on both sockets, keys derived from the secret (see :mod:`clusterenv.transport`).
+            start itself may contain, beyond data (see :mod:`clusterenv.wire.safe_pickle`).
+        encrypt: CurveZMQ on both sockets, keys derived from the secret (see :mod:`clusterenv.wire.transport`).
     """
 
     def __init__(
@@ -263,9 +263,10 @@ class WorkerPool:
 
     @property
     def worker_info(self) -> list[dict[str, Any]]:
-        """Per worker, what it said when it joined: ``{"worker_id", "host", "pid"}`` (replacements included)."""
+        """What :attr:`ClusterEnv.worker_info <clusterenv.ClusterEnv.worker_info>` shows, per worker."""
         return [
-            {"worker_id": w, "host": info.get("host"), "pid": info.get("pid")} for w, info in sorted(self._info.items())
+            {"worker_id": w, "host": info.get("host"), "pid": info.get("pid"), "silent_s": self._monitor.silence(w)}
+            for w, info in sorted(self._info.items())
         ]
 
     # -- commands --------------------------------------------------------------------------

@@ -20,7 +20,7 @@ only then the counter: each direction of a connection counts its messages, so a
 replayed or reordered message is dropped. Keys are per connection and per direction,
 derived with HKDF-SHA256 from the shared secret and a nonce from each side, exchanged in
 a three-message join (:data:`Kind.HELLO`, :data:`Kind.WELCOME`, :data:`Kind.JOIN`; see
-:mod:`clusterenv.transport`). Only HELLO and WELCOME use a key derived from the secret
+:mod:`clusterenv.wire.transport`). Only HELLO and WELCOME use a key derived from the secret
 alone; WELCOME echoes the worker's nonce, so neither can be replayed into a join.
 
 Everything here is a pure function of bytes, so the decoder can be fuzzed in isolation.
@@ -55,15 +55,16 @@ __all__ = [
     "Message",
     "Session",
     "coalesce",
-    "decode",
     "derive_key",
     "encode",
     "hello_session",
     "parse",
+    "read_trailer",
     "rollout_frames",
     "session_pair",
     "split",
     "split_rollout_frames",
+    "trailer",
     "verify",
 ]
 
@@ -248,6 +249,19 @@ def _tag(mac: hmac.HMAC, counter: int, n_arrays: int, frames: list[Any], cover_a
     return mac.digest()
 
 
+def trailer(mac: hmac.HMAC, counter: int, n_arrays: int, frames: list[Any], cover_arrays: bool) -> bytes:
+    """The last frame of a message: its counter, its number of array frames and the MAC of ``frames`` under them."""
+    return _TRAILER.pack(counter, n_arrays, _tag(mac, counter, n_arrays, frames, cover_arrays))
+
+
+def read_trailer(frame: Any) -> tuple[int, int, bytes]:
+    """``(counter, number of arrays, MAC)`` of a trailer frame, unchecked (:func:`verify` checks them)."""
+    if len(frame) != TRAILER_BYTES:
+        raise ProtocolError(f"Message trailer is {len(frame)} bytes; expected {TRAILER_BYTES}.")
+    counter, n_arrays, tag = _TRAILER.unpack(frame)
+    return counter, n_arrays, tag
+
+
 def encode(
     kind: Kind,
     meta: dict[str, Any] | None = None,
@@ -266,7 +280,7 @@ def encode(
     if len(header) > MAX_HEADER_BYTES:
         raise ProtocolError(f"Message header is {len(header)} bytes, more than {MAX_HEADER_BYTES}.")
     frames: list[Any] = [header, *contiguous, *blobs]
-    frames.append(_TRAILER.pack(counter, len(contiguous), _tag(mac, counter, len(contiguous), frames, cover_arrays)))
+    frames.append(trailer(mac, counter, len(contiguous), frames, cover_arrays))
     return frames
 
 
@@ -364,10 +378,7 @@ def verify(frames: list[Any], *, mac: hmac.HMAC, cover_arrays: bool) -> tuple[in
     """Check a message's MAC, before anything in it is parsed; returns its ``(counter, number of arrays)``."""
     if len(frames) < 2:
         raise ProtocolError(f"Message has {len(frames)} frame(s); expected at least a header and a trailer.")
-    trailer = frames[-1]
-    if len(trailer) != TRAILER_BYTES:
-        raise ProtocolError(f"Message trailer is {len(trailer)} bytes; expected {TRAILER_BYTES}.")
-    counter, n_arrays, tag = _TRAILER.unpack(trailer)
+    counter, n_arrays, tag = read_trailer(frames[-1])
     if n_arrays > len(frames) - 2:
         raise ProtocolError(f"Message trailer announces {n_arrays} array(s) in {len(frames)} frames.")
     if not hmac.compare_digest(tag, _tag(mac, counter, n_arrays, frames[:-1], cover_arrays)):
@@ -400,9 +411,3 @@ def parse(frames: list[Any], n_arrays: int) -> Message:
             )
         arrays.append(np.frombuffer(buffer, dtype=dtype).reshape(shape))
     return Message(kind, meta, arrays, [bytes(b) for b in frames[1 + n_arrays : -1]])
-
-
-def decode(frames: list[Any], *, mac: hmac.HMAC, cover_arrays: bool) -> Message:
-    """:func:`verify`, then :func:`parse` (the counter is the caller's to check)."""
-    _, n_arrays = verify(frames, mac=mac, cover_arrays=cover_arrays)
-    return parse(frames, n_arrays)

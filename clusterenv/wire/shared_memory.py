@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
-from clusterenv.batching import is_array_tree, leaf_specs, unflatten
-from clusterenv.cleanup import scratch_dir, shared_memory_base
+from clusterenv.wire.cleanup import scratch_dir, shared_memory_base
+from clusterenv.wire.leaves import is_array_tree, leaf_specs, unflatten
 
 __all__ = ["SHARED_OBS_MIN_BYTES", "SharedObservations", "attach", "bytes_per_env"]
 

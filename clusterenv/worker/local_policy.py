@@ -1,7 +1,7 @@
 """The local-policy commands of a worker: SET_POLICY, SET_WEIGHTS and ROLLOUT.
 
 Protocol, per worker and per rollout (the learner's side is
-:class:`clusterenv.rollout.PolicyRunner`)::
+:class:`clusterenv.learner.rollouts.PolicyRunner`)::
 
     learner                                        worker
     ROLLOUT(num_steps, learner_version, head,  →   KL(π_learner ‖ π_local) on its probe states
@@ -32,15 +32,15 @@ import cloudpickle
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
-from clusterenv.batching import is_array_tree, leaf_arrays, unflatten
 from clusterenv.errors import PolicyError
-from clusterenv.heads import head_from_meta
-from clusterenv.protocol import Kind, Message, rollout_frames
-from clusterenv.sync import EveryUpdate, SyncStrategy, mean_kl
+from clusterenv.policy.heads import head_from_meta
+from clusterenv.policy.strategies import EveryUpdate, SyncStrategy, mean_kl
+from clusterenv.wire.leaves import is_array_tree, leaf_arrays, unflatten
+from clusterenv.wire.protocol import Kind, Message, rollout_frames
 
 if TYPE_CHECKING:
-    from clusterenv.policy import LocalPolicy
-    from clusterenv.worker import Worker
+    from clusterenv.policy.shipping import LocalPolicy
+    from clusterenv.worker.process import Worker
 
 __all__ = ["RolloutAborted", "install"]
 
@@ -68,7 +68,7 @@ class _WorkerPolicy:
     def set_policy(self, msg: Message) -> Message:
         import torch
 
-        from clusterenv.policy import LocalPolicy
+        from clusterenv.policy.shipping import LocalPolicy
 
         # The workers are the parallelism: more threads per worker only oversubscribe cores.
         torch.set_num_threads(1)
@@ -210,7 +210,7 @@ class _WorkerPolicy:
 
 
 def install(worker: Worker) -> None:
-    """Register the local-policy commands on a worker (called by ``clusterenv.worker``)."""
+    """Register the local-policy commands on a worker (called by ``clusterenv.worker.process``)."""
     state = _WorkerPolicy(worker)
     worker.handlers[Kind.SET_POLICY] = state.set_policy
     worker.handlers[Kind.SET_WEIGHTS] = state.set_weights

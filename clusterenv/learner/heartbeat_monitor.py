@@ -12,14 +12,14 @@ import time
 
 import zmq
 
-from clusterenv.liveness import (
+from clusterenv.wire.liveness import (
     HEARTBEAT_MAX_BYTES,
     Heartbeat,
     Waker,
     monitor_events,
 )
-from clusterenv.protocol import Kind, Session
-from clusterenv.transport import Channel, Curve
+from clusterenv.wire.protocol import Kind, Session
+from clusterenv.wire.transport import Channel, Curve
 
 __all__ = ["HeartbeatMonitor"]
 

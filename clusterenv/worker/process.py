@@ -2,9 +2,9 @@
 
 Run by the local launcher as ``python -m clusterenv.worker``, or by hand / ``srun`` on
 another host as ``clusterenv-worker --connect tcp://HOST:PORT``. A worker steps its
-slice as one :class:`gymnasium.vector.SyncVectorEnv` (``clusterenv.recording``), or with
+slice as one :class:`gymnasium.vector.SyncVectorEnv` (``clusterenv.worker.recording_env``), or with
 ``procs_per_worker=N`` (``--procs N``) as N of them in child processes
-(``clusterenv.worker_procs``), so every per-env semantic (autoreset modes, seeding, info
+(``clusterenv.worker.env_processes``), so every per-env semantic (autoreset modes, seeding, info
 batching) is Gymnasium's own code, not a re-implementation.
 """
 
@@ -18,7 +18,6 @@ import signal
 import socket as pysocket
 import sys
 import time
-import traceback
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -28,15 +27,16 @@ import numpy as np
 import zmq
 from gymnasium.vector import AutoresetMode
 
-from clusterenv.batching import batch_of_items, is_array_tree, leaf_arrays, unflatten
-from clusterenv.heartbeat_client import HeartbeatClient
-from clusterenv.liveness import LEARNER_LOST_EXIT_CODE, Heartbeat
-from clusterenv.protocol import Kind, Message
-from clusterenv.recording import RecordingVectorEnv, build, dumps, failing_env_index, install_registry
-from clusterenv.transport import SECRET_ENV_VAR, Channel, Curve, new_identity, resolve_secret
-from clusterenv.worker_policy import RolloutAborted
-from clusterenv.worker_policy import install as install_policy_handlers
-from clusterenv.worker_procs import ENV_PROCESS_LOST_EXIT_CODE, ChildEnvError, EnvProcessLost, ProcVectorEnv
+from clusterenv.wire.leaves import batch_of_items, is_array_tree, leaf_arrays, unflatten
+from clusterenv.wire.liveness import LEARNER_LOST_EXIT_CODE, Heartbeat
+from clusterenv.wire.protocol import Kind, Message
+from clusterenv.wire.transport import SECRET_ENV_VAR, Channel, Curve, new_identity, resolve_secret
+from clusterenv.worker.env_processes import ENV_PROCESS_LOST_EXIT_CODE, ChildEnvError, EnvProcessLost, ProcVectorEnv
+from clusterenv.worker.failures import EnvFailure, EnvTracker, error_reply
+from clusterenv.worker.heartbeat import HeartbeatClient
+from clusterenv.worker.local_policy import RolloutAborted
+from clusterenv.worker.local_policy import install as install_policy_handlers
+from clusterenv.worker.recording_env import RecordingVectorEnv, build, dumps, install_registry
 
 __all__ = ["Mailbox", "Worker", "main", "serve"]
 
@@ -95,6 +95,7 @@ class Worker:
         self.env_offset = 0
         self.envs: RecordingVectorEnv | ProcVectorEnv | None = None
         self.array_obs = True
+        self.tracker = EnvTracker()  # which env the command being handled reached, should one raise
         self.handlers: dict[Kind, Callable[[Message], Message | None]] = {
             Kind.INIT: self.init,
             Kind.RESET: self.reset,
@@ -134,10 +135,10 @@ class Worker:
                 registry=context["registry"],
             )
         else:
-            self.envs = build(env_blobs, mode, autoreset_mode)
+            self.envs = build(env_blobs, mode, autoreset_mode, self.tracker)
         if msg.meta.get("replacement") and self.envs.autoreset_mode is AutoresetMode.NEXT_STEP:
             # A replacement for a lost worker: its envs' episodes were cut short, so under
-            # NEXT_STEP their next step is the autoreset step (see docs/cluster.md).
+            # NEXT_STEP their next step is the autoreset step (see docs/guides/fault-tolerance.md).
             self.envs.mark_autoreset_pending()
         self.array_obs = is_array_tree(self.envs.single_observation_space)
         return Message(Kind.READY, blobs=[cloudpickle.dumps(self.envs.description())])
@@ -213,9 +214,9 @@ class Worker:
         """Run the handler for ``msg`` and return the reply."""
         handler = self.handlers.get(msg.kind)
         if handler is None:
-            return Message(Kind.ERROR, _error_meta(None, "ProtocolError", f"Worker cannot handle {msg.kind.name}.", ""))
+            return error_reply(EnvFailure(None, "ProtocolError", f"Worker cannot handle {msg.kind.name}.", ""))
         if msg.kind is not Kind.INIT and self.envs is None:
-            return Message(Kind.ERROR, _error_meta(None, "ProtocolError", f"{msg.kind.name} before INIT.", ""))
+            return error_reply(EnvFailure(None, "ProtocolError", f"{msg.kind.name} before INIT.", ""))
         return handler(msg)
 
 
@@ -227,22 +228,13 @@ def _close_quietly(worker: Worker) -> None:
         logger.warning("Closing the envs failed.", exc_info=True)
 
 
-def _error_meta(env_index: int | None, exc_type: str, message: str, tb: str) -> dict[str, Any]:
-    return {"env_index": env_index, "exc_type": exc_type, "message": message, "traceback": tb}
-
-
 def _error_reply(worker: Worker, exc: BaseException) -> Message:
-    if isinstance(exc, ChildEnvError):  # raised in an env process: its own index, traceback and pickle
-        local, exc_type, message, tb = exc.env_index, exc.exc_type, exc.message, exc.remote_traceback
-        blobs = [] if exc.cause is None else [exc.cause]
+    if isinstance(exc, ChildEnvError):  # raised in an env process, which captured it
+        failure = exc.failure
     else:
-        local, exc_type, message, tb = failing_env_index(exc), type(exc).__name__, str(exc), traceback.format_exc()
-        try:
-            blobs = [cloudpickle.dumps(exc)]
-        except Exception:
-            blobs = []
-    env_index = None if local is None else worker.env_offset + local
-    return Message(Kind.ERROR, _error_meta(env_index, exc_type, message, tb), [], blobs)
+        misfit = worker.envs.misfit_observation if isinstance(worker.envs, RecordingVectorEnv) else None
+        failure = EnvFailure.capture(exc, worker.tracker, misfit)
+    return error_reply(failure.shifted(worker.env_offset))
 
 
 def serve(
@@ -310,6 +302,7 @@ def serve(
                 channel.send(Kind.CLOSED)
                 return 0
             seq = mailbox.seq = msg.meta.get("seq")
+            worker.tracker.forget()
             try:
                 reply = worker.handle(msg)
             except RolloutAborted:

@@ -2,7 +2,7 @@
 
 A pickle names the callables that rebuild it (``find_class``), and unpickling calls
 them: a worker could make the learner run anything. Workers the learner started itself
-(:class:`~clusterenv.launch.LocalLauncher`) run the learner's own code on this host, so
+(:class:`~clusterenv.launch.launchers.LocalLauncher`) run the learner's own code on this host, so
 their replies are loaded with plain :func:`pickle.loads`. For any other worker
 (``launcher="external"``, Ray, a custom launcher), :func:`loader` returns a restricted
 unpickler that rebuilds only data:

@@ -111,10 +111,8 @@ def _check_rngs(rngs: Sequence[np.random.Generator], rows: int) -> None:
         raise PolicyError(f"`act` needs one np.random.Generator per row: got {len(rngs)} for {rows} rows.")
 
 
-def _uniforms(rngs: Sequence[np.random.Generator] | np.ndarray, rows: int) -> np.ndarray:
-    """One U[0, 1) draw per row from that row's generator, or the given draws (the older calling form)."""
-    if isinstance(rngs, np.ndarray) and rngs.dtype.kind == "f":
-        return rngs
+def _uniforms(rngs: Sequence[np.random.Generator], rows: int) -> np.ndarray:
+    """One U[0, 1) draw per row from that row's generator."""
     generators = list(rngs)
     _check_rngs(generators, rows)
     return np.array([rng.random() for rng in generators])
@@ -200,13 +198,8 @@ class _DiscreteHead(Head):
             raise PolicyError(f"{type(self).__name__} acts in Discrete action spaces, got {action_space}.")
         return int(action_space.n)
 
-    def act(
-        self, outputs: np.ndarray, rngs: Sequence[np.random.Generator] | np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Indices ``(B,)`` int64 by inverse-CDF sampling with one ``rngs[i].random()`` per row.
-
-        ``rngs`` may also be an array of those draws, one U[0, 1) per row (the older calling form).
-        """
+    def act(self, outputs: np.ndarray, rngs: Sequence[np.random.Generator]) -> tuple[np.ndarray, np.ndarray]:
+        """Indices ``(B,)`` int64 by inverse-CDF sampling with one ``rngs[i].random()`` per row."""
         log_p = self.log_probs(outputs)
         actions, chosen = _inverse_cdf(log_p, _uniforms(rngs, len(log_p)))
         return actions, chosen.astype(np.float32)
@@ -260,9 +253,7 @@ class Greedy(_DiscreteHead):
         """Log-softmax of the outputs (temperature 1)."""
         return _log_softmax(np.asarray(outputs, dtype=np.float64))
 
-    def act(
-        self, outputs: np.ndarray, rngs: Sequence[np.random.Generator] | np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def act(self, outputs: np.ndarray, rngs: Sequence[np.random.Generator]) -> tuple[np.ndarray, np.ndarray]:
         """The argmax actions; still takes one draw per row, so each generator advances as with any discrete head."""
         _uniforms(rngs, len(outputs))
         actions = np.argmax(outputs, axis=-1).astype(np.int64)

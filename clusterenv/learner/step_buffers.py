@@ -19,10 +19,10 @@ import numpy as np
 from gymnasium import spaces
 from gymnasium.vector.utils import concatenate, create_empty_array, iterate
 
-from clusterenv import shared_obs
-from clusterenv.batching import is_array_tree, leaf_arrays, replay_infos, unflatten
-from clusterenv.pool import WorkerPool
-from clusterenv.protocol import STEP_FIELDS, Kind, Message
+from clusterenv.learner.pool import WorkerPool
+from clusterenv.wire import shared_memory
+from clusterenv.wire.leaves import is_array_tree, leaf_arrays, replay_infos, unflatten
+from clusterenv.wire.protocol import STEP_FIELDS, Kind, Message
 
 __all__ = ["WORKER_RESTARTED_KEY", "BatchBuffers", "share_with_local_workers"]
 
@@ -135,13 +135,16 @@ def share_with_local_workers(pool: WorkerPool, space: spaces.Space, slices: list
     """
     if not is_array_tree(space):
         return None
-    if min(sl.stop - sl.start for sl in slices) * shared_obs.bytes_per_env(space) < shared_obs.SHARED_OBS_MIN_BYTES:
+    if (
+        min(sl.stop - sl.start for sl in slices) * shared_memory.bytes_per_env(space)
+        < shared_memory.SHARED_OBS_MIN_BYTES
+    ):
         return None
     host = socket.gethostname()
     local = [w for w in range(len(slices)) if pool.host(w) == host]
     if not local:
         return None
-    shared = shared_obs.SharedObservations(space, slices[-1].stop)
+    shared = shared_memory.SharedObservations(space, slices[-1].stop)
     try:
         pool.new_call()
         for w in local:

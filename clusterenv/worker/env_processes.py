@@ -2,8 +2,8 @@
 
 Worker side. With ``ClusterEnv(..., procs_per_worker=N)`` (or ``clusterenv-worker --procs N``)
 a worker splits its slice into ``min(N, slice size)`` contiguous parts and starts one child
-process per part (``python -m clusterenv.env_process``). Each child steps its part with a
-:class:`~clusterenv.recording.RecordingVectorEnv`, exactly as a worker steps its whole
+process per part (``python -m clusterenv.worker.env_process``). Each child steps its part with a
+:class:`~clusterenv.worker.recording_env.RecordingVectorEnv`, exactly as a worker steps its whole
 slice with ``procs_per_worker=1``, so results stay bit-identical to one ``SyncVectorEnv``.
 A 64-core host is then one ZeroMQ peer of the learner: the learner's cost grows with
 hosts, not with processes.
@@ -29,7 +29,7 @@ Failures:
   :data:`ENV_PROCESS_LOST_EXIT_CODE`, so the learner treats it as any lost worker
   (``WorkerLostError``, or a replacement under ``on_worker_failure="restart"``);
 * the worker dying: the kernel kills its children (``PR_SET_PDEATHSIG``, Linux), and
-  anywhere a child exits once its socket reports end-of-file (``clusterenv.env_process``).
+  anywhere a child exits once its socket reports end-of-file (``clusterenv.worker.env_process``).
 """
 
 from __future__ import annotations
@@ -49,10 +49,11 @@ from gymnasium import Space
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_differing_spaces, batch_space, concatenate, create_empty_array, iterate
 
-from clusterenv import shared_obs
-from clusterenv.batching import InfoRecord, by_part, in_index_order, is_array_tree, leaf_arrays, split_evenly
-from clusterenv.recording import dumps
-from clusterenv.validation import check_spaces, per_env_values
+from clusterenv.wire import shared_memory
+from clusterenv.wire.contract import by_part, check_spaces, in_index_order, per_env_values, split_evenly, values_by_part
+from clusterenv.wire.leaves import InfoRecord, is_array_tree, leaf_arrays
+from clusterenv.worker.failures import EnvFailure
+from clusterenv.worker.recording_env import dumps
 
 __all__ = ["ENV_PROCESS_LOST_EXIT_CODE", "ChildEnvError", "EnvProcessLost", "ProcVectorEnv"]
 
@@ -72,22 +73,11 @@ class EnvProcessLost(Exception):
 
 
 class ChildEnvError(Exception):
-    """An env raised inside one of the worker's env processes.
+    """An env raised inside one of the worker's env processes: ``failure`` says which (within the slice) and how."""
 
-    Attributes:
-        env_index: the env's index within the worker's slice (``None``: not known).
-        exc_type: the name of the exception's type.
-        message: ``str()`` of the exception.
-        remote_traceback: the traceback, formatted in the child.
-        cause: the cloudpickled exception, if it could be pickled.
-    """
-
-    def __init__(
-        self, env_index: int | None, exc_type: str, message: str, remote_traceback: str, cause: bytes | None
-    ) -> None:
-        super().__init__(message)
-        self.env_index, self.exc_type, self.message = env_index, exc_type, message
-        self.remote_traceback, self.cause = remote_traceback, cause
+    def __init__(self, failure: EnvFailure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
 
 
 class _Child:
@@ -97,14 +87,22 @@ class _Child:
         self.index, self.part, self.env_offset = index, part, env_offset
         ours, theirs = Pipe()
         # The secret is the worker's business: a child never talks to the learner.
-        from clusterenv.transport import SECRET_ENV_VAR
+        from clusterenv.wire.transport import SECRET_ENV_VAR
 
         env = {name: value for name, value in os.environ.items() if name != SECRET_ENV_VAR}
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             env.setdefault(var, "1")
         fd = theirs.fileno()
-        command = [sys.executable, "-m", "clusterenv.env_process", "--fd", str(fd), "--parent-pid", str(os.getpid())]
+        command = [
+            sys.executable,
+            "-m",
+            "clusterenv.worker.env_process",
+            "--fd",
+            str(fd),
+            "--parent-pid",
+            str(os.getpid()),
+        ]
         self.process = subprocess.Popen(command, env=env, pass_fds=(fd,), stdin=subprocess.DEVNULL)
         theirs.close()  # else the worker would keep the child's end open, and never see it close
         self.conn = ours
@@ -147,7 +145,7 @@ class _Child:
 class ProcVectorEnv(VectorEnv):
     """A worker's slice of envs, stepped by ``min(num_procs, len(env_blobs))`` child processes.
 
-    The same accessors as :class:`~clusterenv.recording.RecordingVectorEnv` (``info_log``,
+    The same accessors as :class:`~clusterenv.worker.recording_env.RecordingVectorEnv` (``info_log``,
     ``current_observations``, ``autoresetting``...), so the worker and its local-policy
     handlers use either one.
 
@@ -226,7 +224,7 @@ class ProcVectorEnv(VectorEnv):
         if not self._array_obs:
             self._observations: Any = create_empty_array(space, n=n, fn=np.zeros)
             return
-        private = shared_obs.SharedObservations(space, n)
+        private = shared_memory.SharedObservations(space, n)
         try:
             self._map_children(private.meta(0, n))
         finally:
@@ -260,9 +258,7 @@ class ProcVectorEnv(VectorEnv):
             if status == "ok":
                 replies[k] = value
             elif error is None:
-                local, exc_type, message, tb, cause = value
-                index = None if local is None else self._children[k].part.start + local
-                error = ChildEnvError(index, exc_type, message, tb, cause)
+                error = ChildEnvError(value.shifted(self._children[k].part.start))
         if error is not None:
             raise error
         return replies
@@ -350,13 +346,8 @@ class ProcVectorEnv(VectorEnv):
 
     def set_attr_at(self, indices: list[int] | None, name: str, values: list[Any]) -> None:
         """Set attribute ``name`` on the envs ``indices`` (``None``: all), one value each."""
-        value_of = dict(zip(range(self.num_envs) if indices is None else indices, values, strict=True))
-        commands = {}
-        for k, local in by_part(indices, [c.part for c in self._children]).items():
-            part = self._children[k].part
-            chosen = range(part.stop - part.start) if local is None else local
-            commands[k] = ("set_attr", (local, name, [value_of[part.start + i] for i in chosen]))
-        self._request(commands)
+        routed = values_by_part(indices, [c.part for c in self._children], values)
+        self._request({k: ("set_attr", (local, name, mine)) for k, (local, mine) in routed.items()})
 
     def set_attr(self, name: str, values: list[Any] | tuple[Any, ...] | Any) -> None:
         """Set attribute ``name`` on every env: one value each, or the same value for all."""
@@ -383,7 +374,7 @@ class ProcVectorEnv(VectorEnv):
 
     def share_observations(self, meta: dict[str, Any]) -> bool:
         """Have the children write observations into the learner's shared batch (``shared_obs``), if it maps here."""
-        view = shared_obs.attach(meta, self.single_observation_space)
+        view = shared_memory.attach(meta, self.single_observation_space)
         if view is None:
             return False
         self._map_children(meta)  # each copies its current observations there first

@@ -1,8 +1,8 @@
 """An env process: one of the child processes that step a worker's slice (``procs_per_worker > 1``).
 
-Worker side. Started by :class:`clusterenv.worker_procs.ProcVectorEnv` as
-``python -m clusterenv.env_process --fd FD --parent-pid PID``; it builds its part of the
-worker's envs as a :class:`~clusterenv.recording.RecordingVectorEnv` and answers the
+Worker side. Started by :class:`clusterenv.worker.env_processes.ProcVectorEnv` as
+``python -m clusterenv.worker.env_process --fd FD --parent-pid PID``; it builds its part of the
+worker's envs as a :class:`~clusterenv.worker.recording_env.RecordingVectorEnv` and answers the
 worker's commands on its end of their socketpair until the worker says close or is gone.
 Each reply is ``("ok", value)`` or ``("error", (env index, type name, message,
 traceback, pickled exception))``.
@@ -18,17 +18,16 @@ import os
 import pickle
 import signal
 import sys
-import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-import cloudpickle
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
-from clusterenv.batching import batch_of_items, is_array_tree, unflatten
-from clusterenv.recording import RecordingVectorEnv, build, dumps, failing_env_index, install_registry
+from clusterenv.wire.leaves import batch_of_items, is_array_tree, unflatten
+from clusterenv.worker.failures import EnvFailure, EnvTracker
+from clusterenv.worker.recording_env import RecordingVectorEnv, build, dumps, install_registry
 
 __all__ = ["main"]
 
@@ -43,11 +42,12 @@ class _ChildEnvs:
     def __init__(self) -> None:
         self.envs: RecordingVectorEnv | None = None
         self.array_obs = True
+        self.tracker = EnvTracker()
 
     def init(self, payload: tuple[list[bytes], Any, str, dict[str, bytes]]) -> dict[str, Any]:
         env_blobs, observation_mode, autoreset_mode, registry = payload
         install_registry(registry)
-        self.envs = build(env_blobs, observation_mode, AutoresetMode(autoreset_mode))
+        self.envs = build(env_blobs, observation_mode, AutoresetMode(autoreset_mode), self.tracker)
         self.array_obs = is_array_tree(self.envs.single_observation_space)
         return self.envs.description()
 
@@ -128,24 +128,18 @@ def _serve(conn: Connection) -> None:
                 except Exception:
                     logger.exception("Closing the envs failed.")
                 return
+            state.tracker.forget()
             try:
                 reply = dumps(("ok", handlers[command](payload)))
             except Exception as exc:
-                reply = dumps(("error", _error(exc)))
+                misfit = None if state.envs is None else state.envs.misfit_observation
+                reply = dumps(("error", EnvFailure.capture(exc, state.tracker, misfit)))
             try:
                 conn.send_bytes(reply)
             except OSError:
                 return
     finally:
         conn.close()
-
-
-def _error(exc: BaseException) -> tuple[int | None, str, str, str, bytes | None]:
-    try:
-        cause: bytes | None = cloudpickle.dumps(exc)
-    except Exception:
-        cause = None
-    return failing_env_index(exc), type(exc).__name__, str(exc), traceback.format_exc(), cause
 
 
 def _die_with(parent_pid: int) -> None:
@@ -158,7 +152,7 @@ def _die_with(parent_pid: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of an env process (``python -m clusterenv.env_process``), started by its worker."""
+    """Entry point of an env process (``python -m clusterenv.worker.env_process``), started by its worker."""
     parser = argparse.ArgumentParser(description="An env process of a clusterenv worker.")
     parser.add_argument("--fd", type=int, required=True, help="this process's end of the worker's socketpair")
     parser.add_argument("--parent-pid", type=int, required=True, help="the worker's pid")

@@ -1,7 +1,7 @@
 """Workers as Ray actors, spread over a Ray cluster (``pip install clusterenv[ray]``).
 
 Ray only places and supervises the worker processes; the data path stays ZeroMQ: each
-actor runs :func:`clusterenv.worker.serve`, which connects back to the learner's tcp
+actor runs :func:`clusterenv.worker.process.serve`, which connects back to the learner's tcp
 address. So the learner must bind an address the Ray nodes can reach (with a secret when
 it is not loopback); on a single-node Ray instance, the default loopback tcp bind works.
 The secret travels to the actors as a task argument, inside Ray's own cluster traffic.
@@ -11,11 +11,10 @@ The worker hosts need clusterenv (and the envs' packages) installed, or a ``runt
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from clusterenv.errors import WorkerStartError
-from clusterenv.transport import is_loopback
+from clusterenv.wire.transport import is_loopback
 
 __all__ = ["RayLauncher"]
 
@@ -42,16 +41,13 @@ def _nodes_on_other_hosts(ray: Any) -> set[str]:
 class _WorkerActor:
     """The actor body: one clusterenv worker per actor process."""
 
-    def pid(self) -> int:
-        return os.getpid()
-
     def node_id(self) -> str:
         import ray
 
         return str(ray.get_runtime_context().get_node_id())
 
     def serve(self, address: str, worker_id: int, key: bytes, encrypt: bool = False) -> int:
-        from clusterenv.worker import serve
+        from clusterenv.worker.process import serve
 
         return serve(address, worker_id, key, encrypt=encrypt)
 
@@ -152,11 +148,6 @@ class RayLauncher:
         actor = self._actors.get(worker_id)
         where = "" if actor is None else f" (actor {actor._actor_id.hex()[:8]})"
         return f"Ray worker {worker_id}{where}"
-
-    def pid(self, worker_id: int, timeout: float = 30.0) -> int:
-        """The process id of worker ``worker_id``'s actor (for tests and diagnostics)."""
-        ray = _import_ray()
-        return int(ray.get(self._actors[worker_id].pid.remote(), timeout=timeout))
 
     def kill(self, worker_id: int) -> None:
         """Kill the worker's actor (its process ends; Ray does not restart it)."""

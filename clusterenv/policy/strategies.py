@@ -6,7 +6,7 @@ The divergence a worker measures is::
                               Σ_a π_learner(a|s) · (log π_learner(a|s) − log π_local(a|s))
 
 (an integral over actions for continuous heads), where both distributions come from the
-same :class:`~clusterenv.heads.Head` applied to the learner's latest outputs and the
+same :class:`~clusterenv.policy.heads.Head` applied to the learner's latest outputs and the
 worker's local outputs on the same states, each head computing it exactly (``Head.kl``), and the
 probe states are the worker's own most recent observations: the last ``probe_steps``
 steps of its previous rollout, over all of its envs. The mean (not the sum) keeps the
@@ -29,7 +29,7 @@ from typing import ClassVar
 import numpy as np
 
 from clusterenv.errors import PolicyError
-from clusterenv.heads import Head, kl_divergence
+from clusterenv.policy.heads import Head, kl_divergence
 
 __all__ = [
     "APS",

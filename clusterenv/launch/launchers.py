@@ -14,8 +14,8 @@ import sys
 import time
 from typing import Protocol
 
-from clusterenv.cleanup import kill_tree
-from clusterenv.transport import SECRET_ENV_VAR
+from clusterenv.wire.cleanup import kill_tree
+from clusterenv.wire.transport import SECRET_ENV_VAR
 
 __all__ = ["ExternalLauncher", "Launcher", "LocalLauncher", "resolve_launcher"]
 
@@ -70,7 +70,7 @@ class LocalLauncher:
             command = [
                 sys.executable,
                 "-m",
-                "clusterenv.worker",
+                "clusterenv.worker.process",
                 "--connect",
                 address,
                 "--worker-id",
@@ -172,7 +172,7 @@ def resolve_launcher(launcher: Launcher | str | None) -> Launcher:
     if launcher == "external":
         return ExternalLauncher()
     if launcher == "ray":
-        from clusterenv.ray_launcher import RayLauncher
+        from clusterenv.launch.ray import RayLauncher
 
         return RayLauncher()
     if isinstance(launcher, str):

@@ -1,7 +1,7 @@
 """The vector env that steps a worker's envs in one process, recording per-env infos.
 
 Worker side. A worker steps its slice with one :class:`RecordingVectorEnv`
-(``procs_per_worker=1``), or hands it to :mod:`clusterenv.worker_procs`, whose child
+(``procs_per_worker=1``), or hands it to :mod:`clusterenv.worker.env_processes`, whose child
 processes each step a part of the slice with one. Either way every per-env semantic
 (autoreset modes, seeding) is Gymnasium's own ``SyncVectorEnv`` code.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import logging
 import pickle
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -22,10 +21,11 @@ from gymnasium.envs.registration import EnvSpec
 from gymnasium.vector import SyncVectorEnv
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array
 
-from clusterenv import shared_obs
-from clusterenv.batching import InfoRecord, leaf_arrays
+from clusterenv.wire import shared_memory
+from clusterenv.wire.leaves import InfoRecord, leaf_arrays
+from clusterenv.worker.failures import EnvTracker, TrackedEnvs
 
-__all__ = ["RecordingVectorEnv", "build", "dumps", "failing_env_index", "install_registry", "make_envs"]
+__all__ = ["RecordingVectorEnv", "build", "dumps", "install_registry", "make_envs"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,7 @@ class RecordingVectorEnv(SyncVectorEnv):
     """
 
     info_log: list[InfoRecord]
+    envs: TrackedEnvs  # tells the worker's EnvTracker which env its loops reached (build() sets it)
 
     def _add_info(self, vector_infos: dict[str, Any], env_info: dict[str, Any], env_num: int) -> dict[str, Any]:
         if env_info:
@@ -83,7 +84,7 @@ class RecordingVectorEnv(SyncVectorEnv):
 
     def share_observations(self, meta: dict[str, Any]) -> bool:
         """Write observations into the shared batch that ``meta`` describes (``shared_obs``), if it maps here."""
-        view = shared_obs.attach(meta, self.single_observation_space)
+        view = shared_memory.attach(meta, self.single_observation_space)
         if view is None:
             return False
         self.write_observations_into(view)
@@ -161,66 +162,34 @@ def install_registry(specs: dict[str, bytes]) -> None:
             gymnasium.registry[env_id] = spec
 
 
-def build(env_blobs: list[bytes], observation_mode: Any, autoreset_mode: Any) -> RecordingVectorEnv:
+def build(
+    env_blobs: list[bytes], observation_mode: Any, autoreset_mode: Any, tracker: EnvTracker
+) -> RecordingVectorEnv:
     """A RecordingVectorEnv over the envs that the pickled factories ``env_blobs`` make.
 
     ``observation_mode`` is ``"same"``, ``"different"``, or a single observation space that
     every env's observation batches into (``SyncVectorEnv``'s ``(batch space, single space)`` form).
+    ``tracker`` learns which env is being built, and later which env each loop reaches.
     """
     env_fns = [pickle.loads(blob) for blob in env_blobs]
     if isinstance(observation_mode, gymnasium.Space):
         observation_mode = (batch_space(observation_mode, len(env_fns)), observation_mode)
     envs = RecordingVectorEnv(
-        [functools.partial(_identity, env) for env in make_envs(env_fns)],
+        [functools.partial(_identity, env) for env in make_envs(env_fns, tracker)],
         copy=False,
         observation_mode=observation_mode,
         autoreset_mode=autoreset_mode,
     )
+    envs.envs = TrackedEnvs(envs.envs, tracker)
     envs.info_log = []
     return envs
 
 
-def failing_env_index(exc: BaseException) -> int | None:
-    """The local index of the env that raised, read from the loop variables of the frames it passed.
-
-    After its loop, ``SyncVectorEnv.step``/``reset`` batch the observations with ``concatenate``,
-    which raises on one that does not fit the observation space; the loop variable then
-    names the last env, so the env whose observation does not fit is looked for instead.
-    """
-    index_loops = {
-        SyncVectorEnv.step.__code__,
-        SyncVectorEnv.reset.__code__,
-        RecordingVectorEnv.reset_each.__code__,
-        make_envs.__code__,
-    }
-    env_loops = {
-        SyncVectorEnv.call.__code__,
-        SyncVectorEnv.set_attr.__code__,
-        RecordingVectorEnv.call_at.__code__,
-        RecordingVectorEnv.set_attr_at.__code__,
-    }
-    index = None
-    caller: RecordingVectorEnv | None = None  # whose step/reset frame was just passed
-    for frame, _ in traceback.walk_tb(exc.__traceback__):
-        local = frame.f_locals
-        module = frame.f_globals.get("__name__")
-        if caller is not None and module == concatenate.__module__:
-            return caller.misfit_observation()
-        if module != "functools":  # singledispatch's wrapper stands between the loop and concatenate
-            caller = None
-        if frame.f_code in index_loops and isinstance(local.get("i"), int):
-            index = local["i"]
-            if isinstance(local.get("self"), RecordingVectorEnv):
-                caller = local["self"]
-        elif frame.f_code in env_loops and isinstance(local.get("self"), SyncVectorEnv):
-            index = next((i for i, env in enumerate(local["self"].envs) if env is local.get("env")), index)
-    return index
-
-
-def make_envs(env_fns: list[Callable[[], Any]]) -> list[Any]:
-    """Build the envs one by one, so that a constructor that raises is known by its index."""
+def make_envs(env_fns: list[Callable[[], Any]], tracker: EnvTracker) -> list[Any]:
+    """Build the envs one by one, telling ``tracker`` which one is being built (a constructor may raise)."""
     envs = []
-    for i, env_fn in enumerate(env_fns):  # noqa: B007 (`i` is read by failing_env_index)
+    for i, env_fn in enumerate(env_fns):
+        tracker.reached = i
         envs.append(env_fn())
     return envs
 

@@ -9,7 +9,7 @@ are not array trees: their values are pickled instead.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -20,13 +20,10 @@ from gymnasium.vector.utils import iterate
 __all__ = [
     "InfoRecord",
     "batch_of_items",
-    "by_part",
-    "in_index_order",
     "is_array_tree",
     "leaf_arrays",
     "leaf_specs",
     "replay_infos",
-    "split_evenly",
     "unflatten",
 ]
 
@@ -99,42 +96,6 @@ def batch_of_items(batch_space: spaces.Space, items: list[Any]) -> Any:
     if isinstance(batch_space, spaces.Tuple) and all(type(s) in iterate.registry for s in batch_space):
         return tuple(batch_of_items(s, [item[i] for item in items]) for i, s in enumerate(batch_space))
     return list(items)
-
-
-def by_part(indices: list[int] | None, parts: Sequence[slice]) -> dict[int, list[int] | None]:
-    """Per part holding any of ``indices``, their indices within that part, in the order given.
-
-    ``parts`` are contiguous slices of the envs (workers' slices, or a worker's env
-    processes' parts); ``indices=None`` means every env of every part (``None`` for each).
-    """
-    if indices is None:
-        return dict.fromkeys(range(len(parts)))
-    grouped: dict[int, list[int]] = {}
-    for i in indices:
-        k = next(k for k, part in enumerate(parts) if part.start <= i < part.stop)
-        grouped.setdefault(k, []).append(i - parts[k].start)
-    return dict(grouped)
-
-
-def in_index_order(
-    indices: list[int] | None, parts: Sequence[slice], results: Mapping[int, Sequence[Any]]
-) -> list[Any]:
-    """Each part's results (for its :func:`by_part` indices) put back in the order of ``indices`` (``None``: env order)."""
-    if indices is None:
-        return [value for k in sorted(results) for value in results[k]]
-    value_of: dict[int, Any] = {}
-    for k, local in by_part(indices, parts).items():
-        value_of.update(zip((parts[k].start + i for i in local or ()), results[k], strict=True))
-    return [value_of[i] for i in indices]
-
-
-def split_evenly(num_envs: int, parts: int) -> list[slice]:
-    """``parts`` contiguous slices of ``range(num_envs)`` whose sizes differ by at most one.
-
-    How envs are split over workers, and a worker's slice over its env processes.
-    """
-    bounds = np.linspace(0, num_envs, parts + 1).round().astype(int)
-    return [slice(int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 class _InfoBatcher(VectorEnv):

@@ -17,14 +17,11 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.async_vector_env import AsyncState
 from gymnasium.vector.utils import batch_differing_spaces, batch_space
 
-from clusterenv.batching import by_part, in_index_order, is_array_tree, leaf_specs, split_evenly
-from clusterenv.buffers import WORKER_RESTARTED_KEY, BatchBuffers, share_with_local_workers
-from clusterenv.first_ready import FirstReady, Ready
-from clusterenv.launch import Launcher
-from clusterenv.liveness import Heartbeat
-from clusterenv.pool import Command, WorkerPool, weak_callback
-from clusterenv.protocol import Kind, Message
-from clusterenv.validation import (
+from clusterenv.launch.launchers import Launcher
+from clusterenv.learner.first_ready import FirstReady, Ready
+from clusterenv.learner.pool import Command, WorkerPool, weak_callback
+from clusterenv.learner.step_buffers import WORKER_RESTARTED_KEY, BatchBuffers, share_with_local_workers
+from clusterenv.learner.validation import (
     action_items,
     check_actions,
     check_attribute_name,
@@ -38,11 +35,13 @@ from clusterenv.validation import (
     check_reset_options,
     check_seconds,
     check_seeds,
-    check_spaces,
-    per_env_values,
     pickle_argument,
     pickle_env_fn,
 )
+from clusterenv.wire.contract import by_part, check_spaces, in_index_order, per_env_values, split_evenly, values_by_part
+from clusterenv.wire.leaves import is_array_tree, leaf_specs
+from clusterenv.wire.liveness import Heartbeat
+from clusterenv.wire.protocol import Kind, Message
 
 __all__ = ["WORKER_RESTARTED_KEY", "ClusterEnv"]
 
@@ -136,10 +135,10 @@ class ClusterEnv(VectorEnv):
                 addresses require a ``secret``.
             secret: shared HMAC secret (or ``$CLUSTERENV_SECRET``); random when workers are local.
             launcher: what starts the workers: ``"local"`` child processes (default), ``"external"``
-                (started by hand or ``srun``, see docs/cluster.md), ``"ray"``, or a ``Launcher``.
+                (started by hand or ``srun``, see docs/guides/multi-node.md), ``"ray"``, or a ``Launcher``.
             on_worker_failure: ``"raise"`` a ``WorkerLostError``, or ``"restart"`` the worker: its envs
                 are rebuilt and report the interrupted episode as truncated, with
-                ``infos["worker_restarted"]`` set (exact semantics in docs/cluster.md).
+                ``infos["worker_restarted"]`` set (exact semantics in docs/guides/fault-tolerance.md).
             heartbeat: heartbeat constants; a worker whose heartbeat connection carried nothing for
                 ``interval * liveness`` seconds (dead or frozen, not busy) is lost.
             batch_size: how many envs :meth:`recv` returns (default ``num_envs``): those of the
@@ -148,7 +147,7 @@ class ClusterEnv(VectorEnv):
             trusted_classes: classes (or ``"module.Name"`` strings) that infos, observations, call
                 results and errors from workers the learner did not start itself (``launcher="external"``,
                 Ray) may contain beyond plain data; anything else raises ``UntrustedPickleError``
-                (see docs/cluster.md, Security). Workers it starts itself are not restricted.
+                (see docs/guides/security.md). Workers it starts itself are not restricted.
             encrypt: encrypt all traffic with CurveZMQ, keys derived from the secret; a peer
                 without the secret then cannot even connect. External workers need
                 ``clusterenv-worker --encrypt``.
@@ -407,7 +406,7 @@ class ClusterEnv(VectorEnv):
         return self._buffers.collect([(self._slices[w], replies[w]) for w in sorted(replies)], step)
 
     def _report_interrupted(self, infos: dict[str, Any]) -> dict[str, Any]:
-        """Report the episodes that a worker restart cut short as truncations (semantics in docs/cluster.md).
+        """Report the episodes that a worker restart cut short as truncations (semantics in docs/guides/fault-tolerance.md).
 
         Reward 0, ``terminated=False``, ``truncated=True`` and ``infos["worker_restarted"]``.
         Under SAME_STEP the new episode starts now: the replacement's envs are reset here, the
@@ -569,16 +568,9 @@ class ClusterEnv(VectorEnv):
         name = check_attribute_name(name)
         chosen = check_indices(indices, self.num_envs)
         values = per_env_values(values, self.num_envs if chosen is None else len(chosen))
-        value_of = dict(zip(range(self.num_envs) if chosen is None else chosen, values, strict=True))
         self._begin(AsyncState.WAITING_CALL, "set_attr")
         commands: dict[int, Command] = {}
-        for w, local in by_part(chosen, self._slices).items():
-            sl = self._slices[w]
-            mine = (
-                [value_of[i] for i in range(sl.start, sl.stop)]
-                if local is None
-                else [value_of[sl.start + i] for i in local]
-            )
+        for w, (local, mine) in values_by_part(chosen, self._slices, values).items():
             blob = pickle_argument(mine, f"values of set_attr({name!r})")
             commands[w] = ({"name": name, "indices": local}, (), [blob])
         self._pool.send_each(Kind.SET_ATTR, commands)
@@ -619,7 +611,12 @@ class ClusterEnv(VectorEnv):
 
     @property
     def worker_info(self) -> list[dict[str, Any]]:
-        """Per worker, what it said when it joined: ``{"worker_id", "host", "pid"}`` (replacements included)."""
+        """Per worker: ``{"worker_id", "host", "pid", "silent_s"}``.
+
+        Host and pid are what the worker said when it joined (replacements included);
+        ``silent_s`` is the seconds since its last heartbeat, to spot a worker that stalls
+        before it is declared lost.
+        """
         return self._pool.worker_info
 
     def __enter__(self) -> ClusterEnv:

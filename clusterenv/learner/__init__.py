@@ -1,0 +1,9 @@
+"""The learner tier: the ``ClusterEnv`` vector env and everything that runs in the training process.
+
+The VectorEnv (``vector_env``) and its batch buffers (``step_buffers``), the worker pool
+(``pool``), first-ready batches (``first_ready``), the learner's heartbeat monitor,
+local-policy rollouts and their prefetch stream (``rollouts``, ``rollout_batch``), and the
+checks of user input (``validation``). Workers never import it.
+"""
+
+__all__: list[str] = []
