@@ -23,7 +23,7 @@ def step_mode_reference(reference, policy, head, rngs, steps, obs):
     record["autoreset"], record["infos"] = [], []
     for _ in range(steps):
         logits = outputs(policy, obs)
-        actions, logprobs = head.act(logits, np.array([rng.random() for rng in rngs]))
+        actions, logprobs = head.act(logits, rngs)
         record["obs"].append(obs)
         record["actions"].append(actions)
         record["logprobs"].append(logprobs)

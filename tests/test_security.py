@@ -141,7 +141,9 @@ def test_worker_drops_unauthenticated_learner_messages(tmp_path):
         for frames in attacks(marker):
             learner.socket.send_multipart([identity, *frames])
         # A valid command still gets its answer: the worker survived everything above.
-        learner.send(Kind.CALL, {"seq": 5, "name": "spec"}, blobs=[pickle.dumps(((), {}))], to=identity)
+        learner.send(
+            Kind.CALL, {"seq": 5, "name": "spec", "indices": None}, blobs=[pickle.dumps(((), {}))], to=identity
+        )
         reply = learner.recv(30, routed=True)
         assert reply is not None and reply[1].kind is Kind.ERROR and reply[1].meta["seq"] == 5
         assert "CALL before INIT" in reply[1].meta["message"]
@@ -345,7 +347,7 @@ def net():
 
 def join(learner: Channel, worker: Channel, **hello) -> tuple[bytes | None, protocol.Message]:
     """Run the three-message join between two in-process channels; returns what the learner's caller sees."""
-    worker.send(Kind.HELLO, hello)
+    worker.send(Kind.HELLO, {"worker_id": 0, "pid": 1, "host": "h", **hello})
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         assert worker.recv(0.01, routed=False) is None  # WELCOME is answered inside the channel
@@ -369,8 +371,12 @@ def test_the_learner_sees_a_worker_only_once_it_proved_its_keys(net):
     learner = net.learner()
     worker = net.worker(learner.endpoint)
     sender, hello = join(learner, worker, worker_id=0, host="h")
-    assert sender == b"worker-0-1234" and hello.kind is Kind.HELLO and hello.meta == {"worker_id": 0, "host": "h"}
-    learner.send(Kind.CALL, {"seq": 1}, to=sender)
+    assert (
+        sender == b"worker-0-1234"
+        and hello.kind is Kind.HELLO
+        and hello.meta == {"worker_id": 0, "pid": 1, "host": "h"}
+    )
+    learner.send(Kind.CALL, {"seq": 1, "name": "spec", "indices": None}, to=sender)
     received = worker.recv(10, routed=False)
     assert received is not None and received[1].kind is Kind.CALL
     worker.send(Kind.VALUE, {"seq": 1})
@@ -482,7 +488,8 @@ def test_peers_that_have_not_joined_may_send_only_small_messages(net, monkeypatc
         assert learner.recv(2, routed=True) is None
     assert f"exceeds the {PRE_JOIN_BYTES}-byte limit for a peer that has not joined" in caplog.text
     # A HELLO of the usual size from the same peer is answered.
-    rogue.send_multipart(encode(Kind.HELLO, {"nonce": b"n" * NONCE_BYTES}, mac=mac, counter=1, cover_arrays=True))
+    hello = {"worker_id": None, "pid": 1, "host": "h", "nonce": b"n" * NONCE_BYTES}
+    rogue.send_multipart(encode(Kind.HELLO, hello, mac=mac, counter=1, cover_arrays=True))
     assert learner.recv(1, routed=True) is None
     assert wire_kinds(rogue, 5) == [Kind.WELCOME]
 

@@ -15,6 +15,7 @@ import time
 from typing import Protocol
 
 from clusterenv.wire.cleanup import kill_tree
+from clusterenv.wire.processes import child_environment
 from clusterenv.wire.transport import SECRET_ENV_VAR
 
 __all__ = ["ExternalLauncher", "Launcher", "LocalLauncher", "resolve_launcher"]
@@ -60,17 +61,13 @@ class LocalLauncher:
 
     def start(self, worker_ids: list[int], address: str, key: bytes) -> None:
         """Spawn ``python -m clusterenv.worker`` once per id."""
-        env = dict(os.environ)
-        env[SECRET_ENV_VAR] = key.decode()
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-            env.setdefault(var, "1")
+        env = child_environment(key)
         for worker_id in worker_ids:
             self.kill(worker_id)  # a replacement: never lose track of the process it replaces
             command = [
                 sys.executable,
                 "-m",
-                "clusterenv.worker.process",
+                "clusterenv.worker",
                 "--connect",
                 address,
                 "--worker-id",

@@ -14,9 +14,10 @@ from typing import Any
 import numpy as np
 
 from clusterenv.errors import WorkerTimeoutError
-from clusterenv.learner.pool import WorkerPool
-from clusterenv.learner.step_buffers import WORKER_RESTARTED_KEY, BatchBuffers
+from clusterenv.learner.pool import OnLoss, WorkerPool
+from clusterenv.learner.step_buffers import BatchBuffers, restarted_records
 from clusterenv.wire.leaves import replay_infos
+from clusterenv.wire.messages import ResetMeta
 from clusterenv.wire.protocol import STEP_FIELDS, Kind, Message
 
 __all__ = ["FirstReady", "Ready"]
@@ -51,13 +52,13 @@ class FirstReady:
         self.in_flight: dict[int, str] = {}
         self._arrived: list[tuple[int, str, Message]] = []
 
-    def streaming(self) -> list[int]:
+    def busy_workers(self) -> list[int]:
         """Workers whose envs are not in the caller's hands: stepping, or replied and not yet recv()'d."""
         return [*self.in_flight, *(w for w, _, _ in self._arrived)]
 
     def envs_in_flight(self) -> int:
-        """How many envs :meth:`streaming` workers step."""
-        return sum(self._slices[w].stop - self._slices[w].start for w in self.streaming())
+        """How many envs the :meth:`busy_workers` step."""
+        return sum(self._slices[w].stop - self._slices[w].start for w in self.busy_workers())
 
     def plan(self, env_ids: Any) -> tuple[int, Plan]:
         """How many envs ``env_ids`` names and the :data:`Plan` of its send, if it names whole workers' envs that recv() returned."""
@@ -70,7 +71,7 @@ class FirstReady:
         position[env_ids] = np.arange(len(env_ids))
         workers = np.unique(self._env_worker[env_ids]).tolist()
         plan = [(w, _as_rows(position[self._slices[w]])) for w in workers]
-        busy = sorted(set(workers).intersection(self.streaming()))
+        busy = sorted(set(workers).intersection(self.busy_workers()))
         if busy:
             raise ValueError(
                 f"`env_ids` include envs of workers {busy} whose last results recv() has not returned yet: "
@@ -123,8 +124,7 @@ class FirstReady:
             records = buffers.loads(msg.blobs[0]) if msg.blobs[0] else []
             if what == "restarted":  # a replacement's fresh envs: the cut episodes end here
                 truncations[rows] = True
-                extra = dict(records)
-                records = [(i, {**extra.get(i, {}), WORKER_RESTARTED_KEY: True}) for i in range(rows.stop - rows.start)]
+                records = restarted_records(rows.stop - rows.start, dict(records))
             if records:
                 infos = replay_infos(infos, records, n, offset)
             offset = rows.stop
@@ -134,5 +134,6 @@ class FirstReady:
         """A restart hook: a replacement for a worker lost mid-``send`` is reset, and recv() reports the cut episodes."""
         if worker_id in self.in_flight:
             sl = self._slices[worker_id]
-            pool.send(worker_id, Kind.RESET, {"seeds": [None] * (sl.stop - sl.start), "mask": None})
+            meta = ResetMeta(seeds=[None] * (sl.stop - sl.start), mask=None)
+            pool.send(worker_id, Kind.RESET, meta, on_loss=OnLoss.REPLAY)
             self.in_flight[worker_id] = "restarted"

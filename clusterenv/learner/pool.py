@@ -6,31 +6,28 @@ the per-call sequence number (a reply counts only if it answers the current call
 the translation of remote errors, timeouts and lost workers into exceptions.
 :class:`~clusterenv.learner.vector_env.ClusterEnv` builds the commands and reads the replies.
 
-Restarts (``on_worker_failure="restart"``): when a worker is lost (its process exited,
-or its heartbeat connection dropped), the pool first collects every other worker's reply,
-so no other env's data is lost or duplicated. Then, for each lost worker, it ends the old
-process if it can, starts a replacement through the launcher, waits for it to join,
-replays its INIT (the same env factories, flagged ``replacement``), runs the
-``restart_hooks`` (a policy runner re-installs its policy there), and then:
-
-* ``reset``, ``call``, ``get_attr``, ``set_attr``: replays the command, so a seeded reset
-  returns exactly what the lost worker would have returned;
-* ``step``: adds the worker to :attr:`WorkerPool.interrupted`; the env reports the cut
-  episode as truncated (see docs/guides/fault-tolerance.md for the exact semantics);
-* commands an extension added to :attr:`WorkerPool.replayable` (a policy runner's
-  rollout): replays them on the fresh envs;
-* anything else: raises ``WorkerLostError``.
-
-A replacement that fails in turn raises: restarts do not loop.
+Restarts (``on_worker_failure="restart"``) have one path, :meth:`WorkerPool._recover`.
+When a worker is lost (its process exited, or its heartbeat connection dropped), a
+:meth:`~WorkerPool.gather` first collects every other worker's reply, so no other env's
+data is lost or duplicated (:meth:`~WorkerPool.receive`, for streaming calls, recovers at
+once). Then, for each lost worker, the pool ends the old process if it can, starts a
+replacement through the launcher, waits for it to join, replays its INIT (the same env
+factories, flagged ``replacement``), runs the restart hooks (a policy runner re-installs
+its policy there), and does what the issuer of the lost worker's pending command declared
+when it sent it (:class:`OnLoss`): replay it, report it interrupted, leave its re-issue to
+the hooks, or raise ``WorkerLostError``. A replacement that fails in turn raises:
+restarts do not loop.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import secrets
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -48,11 +45,12 @@ from clusterenv.launch.launchers import Launcher, LocalLauncher, resolve_launche
 from clusterenv.learner.heartbeat_monitor import HeartbeatMonitor
 from clusterenv.wire.cleanup import remove_stale_dirs
 from clusterenv.wire.liveness import Heartbeat, heartbeat_address
+from clusterenv.wire.messages import EnvsMeta, ErrorMeta, HelloMeta, InitMeta, meta_of
 from clusterenv.wire.protocol import Kind, Message
 from clusterenv.wire.safe_pickle import loader
 from clusterenv.wire.transport import Channel, Curve, is_loopback, resolve_secret
 
-__all__ = ["Command", "WorkerPool", "weak_callback"]
+__all__ = ["Command", "OnLoss", "WorkerPool", "weak_callback"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,12 +60,34 @@ LIVENESS_POLL_S = 0.05
 _MAX_EARLY_HELLOS = 64
 # Lets a CLOSE queued for a connected worker leave before the socket goes; peers that are gone hold nothing up.
 _CLOSE_LINGER_MS = 500
-# Commands whose effect on fresh envs is what the user asked for, so they can simply be sent again.
-_REPLAYABLE = (Kind.RESET, Kind.CALL, Kind.SET_ATTR)
-# Commands whose interruption the caller reports itself (a step: the episode was cut).
-_INTERRUPTIBLE = frozenset({Kind.STEP})
 #: One worker's command: ``(meta, arrays, blobs)``.
-Command = tuple[dict[str, Any] | None, Sequence[np.ndarray], Sequence[bytes]]
+Command = tuple[Mapping[str, Any] | None, Sequence[np.ndarray], Sequence[bytes]]
+
+
+class OnLoss(enum.Enum):
+    """What a command still unanswered by a lost worker means for its replacement; declared by its sender."""
+
+    #: Send it again: on the fresh envs it does what was asked (a seeded reset returns the
+    #: same observations, an attribute read the same value, a lockstep rollout a fresh one).
+    REPLAY = "replay"
+    #: The envs' episodes were cut: the worker joins :meth:`WorkerPool.take_interrupted`, and
+    #: the sender reports the cut (a lockstep step: truncated, flagged ``worker_restarted``).
+    INTERRUPT = "interrupt"
+    #: The sender's restart hook re-issues what it needs (first-ready steps, prefetched rollouts).
+    REISSUE = "reissue"
+    #: Nothing can stand in for it (building the envs, installing a policy): ``WorkerLostError``.
+    RAISE = "raise"
+
+
+@dataclass(frozen=True)
+class _Sent:
+    """A worker's latest command, kept to replay it to a replacement."""
+
+    kind: Kind
+    meta: Mapping[str, Any] | None
+    arrays: Sequence[np.ndarray]
+    blobs: Sequence[bytes]
+    on_loss: OnLoss
 
 
 class WorkerPool:
@@ -148,20 +168,16 @@ class WorkerPool:
             self._context.term()
             raise
         self.seq = 0
-        #: Called with a worker id once its replacement is built, before the interrupted command is replayed.
-        self.restart_hooks: list[Callable[[int], None]] = []
-        #: Commands replayed on a replacement worker; extensions add theirs (a rollout on fresh envs).
-        self.replayable: set[Kind] = set(_REPLAYABLE)
-        #: Workers whose STEP was cut by a restart; the caller reports them and clears the set.
-        self.interrupted: set[int] = set()
         #: Called once on an error that leaves the workers unusable (``terminate``: kill, don't wait).
         self.on_fatal: Callable[[bool], None] = self.close_after_error
         self.closed = False
         self._identities: dict[int, bytes] = {}
         self._peers: dict[bytes, int] = {}
-        self._info: dict[int, dict[str, Any]] = {}
-        self._init_commands: dict[int, tuple[dict[str, Any], list[bytes]]] = {}
-        self._last_sent: dict[int, tuple[Kind, dict[str, Any] | None, Sequence[np.ndarray], Sequence[bytes]]] = {}
+        self._info: dict[int, Mapping[str, Any]] = {}  # each worker's HELLO
+        self._init_commands: dict[int, tuple[EnvsMeta, list[bytes]]] = {}
+        self._last_sent: dict[int, _Sent] = {}
+        self._restart_hooks: list[Callable[[int], None]] = []
+        self._interrupted: set[int] = set()
         self._failed: set[int] = set()
         self._early_hellos: list[tuple[bytes | None, Message]] = []
         # Replies of the current call that arrived while a gather waited for others (streaming calls).
@@ -219,14 +235,15 @@ class WorkerPool:
             if msg.kind is not Kind.HELLO or sender is None or sender in self._peers:
                 logger.warning("Ignored %s from peer %r while waiting for workers to join.", msg.kind.name, sender)
                 continue
-            asked = msg.meta.get("worker_id")
+            hello = meta_of(msg, HelloMeta)
+            asked = hello["worker_id"]
             if asked in wanted or asked is None:
                 worker_id = min(wanted) if asked is None else int(asked)
             else:
                 logger.warning(
                     "Turned away a worker on %s (pid %s) asking for id %r: expected ids %s.",
-                    msg.meta.get("host"),
-                    msg.meta.get("pid"),
+                    hello["host"],
+                    hello["pid"],
                     asked,
                     sorted(wanted),
                 )
@@ -239,7 +256,7 @@ class WorkerPool:
             self._identities[worker_id], self._peers[sender] = sender, worker_id
             self._info[worker_id] = msg.meta
 
-    def send_init(self, worker_id: int, meta: dict[str, Any], blobs: list[bytes]) -> None:
+    def send_init(self, worker_id: int, meta: EnvsMeta, blobs: list[bytes]) -> None:
         """Send a worker its INIT (kept, to build a replacement the same way) and start watching its heartbeats."""
         self._init_commands[worker_id] = (meta, blobs)
         self._send_init(worker_id, replacement=False)
@@ -249,13 +266,14 @@ class WorkerPool:
         identity = self._identities[worker_id]
         # The worker starts beating on receipt, with the heartbeat keys agreed when it joined.
         self._monitor.watch(worker_id, identity, self._channel.heartbeat_session(identity))
-        pool_meta = {
-            "worker_id": worker_id,
-            "heartbeat": self.heartbeat.to_meta(),
-            "heartbeat_endpoint": self._monitor.endpoint,
-            "replacement": replacement,
-        }
-        self.send(worker_id, Kind.INIT, {**meta, **pool_meta}, blobs=blobs)
+        init = InitMeta(
+            **meta,
+            worker_id=worker_id,
+            heartbeat=self.heartbeat.to_meta(),
+            heartbeat_endpoint=self._monitor.endpoint,
+            replacement=replacement,
+        )
+        self.send(worker_id, Kind.INIT, init, blobs=blobs, on_loss=OnLoss.RAISE)
 
     def host(self, worker_id: int) -> str | None:
         """The host name worker ``worker_id`` reported when it joined."""
@@ -280,19 +298,25 @@ class WorkerPool:
         self,
         worker_id: int,
         kind: Kind,
-        meta: dict[str, Any] | None = None,
+        meta: Mapping[str, Any] | None = None,
         arrays: Sequence[np.ndarray] = (),
         blobs: Sequence[bytes] = (),
+        on_loss: OnLoss | None = None,
     ) -> None:
-        """Send one command of the current call to worker ``worker_id``."""
-        self.send_each(kind, {worker_id: (meta, arrays, blobs)})
+        """Send one command of the current call to worker ``worker_id``; ``on_loss``: see :meth:`send_each`."""
+        self.send_each(kind, {worker_id: (meta, arrays, blobs)}, on_loss)
 
-    def send_each(self, kind: Kind, commands: Mapping[int, Command]) -> None:
+    def send_each(self, kind: Kind, commands: Mapping[int, Command], on_loss: OnLoss | None = None) -> None:
         """Send one command of the current call to each worker in ``commands`` (``{worker_id: (meta, arrays, blobs)}``).
 
         All or nothing: every message is encoded before the first one leaves, so a value
         that cannot travel raises while no worker has received anything. (A reset that
         reached some workers only would silently desynchronize the envs.)
+
+        ``on_loss`` says what the command means for a replacement, should a worker be lost
+        before answering it. ``None``: the message serves the worker's pending command (the
+        weights answering its pull, the learner's probe outputs), which is recovered as that
+        command declared.
         """
         encoded = [
             (
@@ -304,7 +328,8 @@ class WorkerPool:
             for w, (meta, arrays, blobs) in commands.items()
         ]
         for (worker_id, frames), (meta, arrays, blobs) in zip(encoded, commands.values(), strict=True):
-            self._last_sent[worker_id] = (kind, meta, arrays, blobs)  # replayed to a replacement worker
+            if on_loss is not None:
+                self._last_sent[worker_id] = _Sent(kind, meta, arrays, blobs, on_loss)
             try:
                 self._channel.send_frames(frames, to=self._identities[worker_id])
             except zmq.ZMQError as exc:
@@ -348,75 +373,91 @@ class WorkerPool:
                 )
                 self.on_fatal(True)
                 raise error
-            received = self._channel.recv(LIVENESS_POLL_S, routed=True)
+            received = self._next_reply(doing, LIVENESS_POLL_S, errors_close)
             if received is None:
                 pending -= self._check_alive(pending, doing)
                 continue
-            sender, msg = received
-            worker_id = None if sender is None else self._peers.get(sender)
-            if worker_id is None and msg.kind is Kind.HELLO and len(self._early_hellos) < _MAX_EARLY_HELLOS:
-                self._early_hellos.append(received)  # a replacement that joined before the loss was seen
-                continue
-            if worker_id is None or msg.meta.get("seq") != self.seq:
-                continue  # a reply to a call that timed out earlier, or a stray peer
-            if msg.kind is Kind.ERROR:
-                raise self._remote_error(worker_id, msg, doing, close=errors_close)
+            worker_id, msg = received
             if on_request is not None and worker_id in pending and on_request(worker_id, msg):
                 continue
             if worker_id in pending:
                 pending.discard(worker_id)
                 replies[worker_id] = msg
             else:
-                self._stash.append((worker_id, msg))  # a streaming call's reply, for receive()
+                self._stash.append(received)  # a streaming call's reply, for receive()
         lost = self._failed.intersection(worker_ids)
         if lost:
-            self._replace(sorted(lost), replies, doing)
+            self._recover(sorted(lost), replies, doing)
         return replies
 
     def request(
-        self, worker_ids: Iterable[int], kind: Kind, meta: dict[str, Any], doing: str, timeout: float | None
+        self,
+        worker_ids: Iterable[int],
+        kind: Kind,
+        meta: Mapping[str, Any],
+        doing: str,
+        timeout: float | None,
+        on_loss: OnLoss = OnLoss.REPLAY,
     ) -> dict[int, Message]:
         """Send the same small command to ``worker_ids`` and gather their replies (within the current call)."""
         worker_ids = list(worker_ids)
-        for w in worker_ids:
-            self.send(w, kind, meta)
+        self.send_each(kind, dict.fromkeys(worker_ids, (meta, (), ())), on_loss)
         return self.gather(worker_ids, doing, timeout)
 
     def receive(self, doing: str, timeout: float | None) -> tuple[int, Message] | None:
-        """The next reply of the current call from any worker, for calls that stream (prefetched rollouts).
+        """The next reply of the current call from any worker, for calls that stream (first-ready, prefetch).
 
         Returns ``None`` after ``timeout`` seconds without one (``0``: only what has arrived).
         Errors raise as in :meth:`gather`; a lost worker raises, or under ``"restart"`` is
-        replaced at once and its ``restart_hooks`` re-issue its work.
+        recovered at once (its replayed reply, if any, is among the next ones returned).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if self._stash:
                 return self._stash.pop(0)
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            wait = LIVENESS_POLL_S if remaining is None else min(LIVENESS_POLL_S, remaining)
-            received = self._channel.recv(wait, routed=True)
-            if received is None:
-                for w in sorted(self._check_alive(set(self._identities), doing)):
-                    self._failed.discard(w)
-                    self._recovering = True
-                    try:
-                        self._restart(w)
-                    finally:
-                        self._recovering = False
-                if deadline is not None and time.monotonic() >= deadline:
-                    return None
-                continue
-            sender, msg = received
-            worker_id = None if sender is None else self._peers.get(sender)
-            if worker_id is None and msg.kind is Kind.HELLO and len(self._early_hellos) < _MAX_EARLY_HELLOS:
-                self._early_hellos.append(received)
-                continue
-            if worker_id is None or msg.meta.get("seq") != self.seq:
-                continue
-            if msg.kind is Kind.ERROR:
-                raise self._remote_error(worker_id, msg, doing)
-            return worker_id, msg
+            received = self._next_reply(
+                doing, LIVENESS_POLL_S if remaining is None else min(LIVENESS_POLL_S, remaining)
+            )
+            if received is not None:
+                return received
+            lost = self._check_alive(set(self._identities), doing)
+            if lost:
+                replayed: dict[int, Message] = {}
+                self._recover(sorted(lost), replayed, doing)
+                self._stash.extend(replayed.items())
+            if deadline is not None and time.monotonic() >= deadline and not self._stash:
+                return None
+
+    def _next_reply(self, doing: str, wait: float, errors_close: bool = True) -> tuple[int, Message] | None:
+        """The one receive step: the next reply to the current call, or ``None`` if ``wait`` s passed without one.
+
+        Drops replies to earlier calls and strays, keeps early HELLOs (replacements that
+        joined before their predecessor's loss was seen), raises a worker's ERROR.
+        """
+        received = self._channel.recv(wait, routed=True)
+        if received is None:
+            return None
+        sender, msg = received
+        worker_id = None if sender is None else self._peers.get(sender)
+        if worker_id is None and msg.kind is Kind.HELLO and len(self._early_hellos) < _MAX_EARLY_HELLOS:
+            self._early_hellos.append(received)
+            return None
+        if worker_id is None or msg.meta.get("seq") != self.seq:
+            return None  # a reply to a call that timed out earlier, or a stray peer
+        if msg.kind is Kind.ERROR:
+            raise self._remote_error(worker_id, msg, doing, close=errors_close)
+        return worker_id, msg
+
+    # -- restarts --------------------------------------------------------------------------
+    def on_restart(self, hook: Callable[[int], None]) -> None:
+        """Call ``hook(worker_id)`` once each replacement is built, before its pending command is recovered."""
+        self._restart_hooks.append(hook)
+
+    def take_interrupted(self) -> list[int]:
+        """The workers whose :attr:`OnLoss.INTERRUPT` command a restart cut, since the last call (the sender reports them)."""
+        interrupted, self._interrupted = sorted(self._interrupted), set()
+        return interrupted
 
     # -- failures --------------------------------------------------------------------------
     def _lost(self, worker_id: int, doing: str) -> WorkerLostError:
@@ -447,14 +488,14 @@ class WorkerPool:
     def _restartable(self, worker_id: int) -> bool:
         """Whether a replacement can take over: its envs were built once (a crash while building them would recur)."""
         last = self._last_sent.get(worker_id)
-        return last is not None and last[0] is not Kind.INIT
+        return last is not None and last.kind is not Kind.INIT
 
     def _remote_error(self, worker_id: int, msg: Message, doing: str, close: bool = True) -> RemoteEnvError:
         """The ``RemoteEnvError`` (also of the original exception's type) for an ERROR reply.
 
         ``close``: the env's state is unknown after the error, so the workers are closed.
         """
-        meta = msg.meta
+        meta = meta_of(msg, ErrorMeta)
         cause: BaseException | None = None
         if msg.blobs:
             try:
@@ -462,11 +503,11 @@ class WorkerPool:
             except Exception as exc:
                 logger.debug("Could not unpickle the remote exception: %s", exc)
         original = type(cause) if isinstance(cause, BaseException) else builtin_exception_type(meta["exc_type"])
-        where = f"env {meta['env_index']}" if meta.get("env_index") is not None else "an env"
+        where = f"env {meta['env_index']}" if meta["env_index"] is not None else "an env"
         error = remote_error_type(original)(
             f"{where} on worker {worker_id} raised {meta['exc_type']} while {doing}: {meta['message']}\n\n"
             f"Remote traceback:\n{meta['traceback']}",
-            env_index=meta.get("env_index"),
+            env_index=meta["env_index"],
             worker_id=worker_id,
             exc_type=meta["exc_type"],
             remote_traceback=meta["traceback"],
@@ -477,24 +518,27 @@ class WorkerPool:
             self.on_fatal(False)
         return error
 
-    def _replace(self, lost: list[int], replies: dict[int, Message], doing: str) -> None:
-        """Replace each lost worker, then replay its last command into ``replies`` or mark it interrupted."""
+    def _recover(self, lost: list[int], replies: dict[int, Message], doing: str) -> None:
+        """The one recovery path: replace each lost worker, then do what its pending command's sender declared."""
         self._recovering = True
         try:
             for worker_id in lost:
-                kind, meta, arrays, blobs = self._last_sent[worker_id]
-                if kind not in _INTERRUPTIBLE and kind not in self.replayable:
-                    raise self._lost(worker_id, f"{doing} ({kind.name} cannot be replayed on a replacement worker)")
+                sent = self._last_sent[worker_id]
+                if sent.on_loss is OnLoss.RAISE:
+                    raise self._lost(
+                        worker_id, f"{doing} ({sent.kind.name} cannot be recovered on a replacement worker)"
+                    )
                 self._restart(worker_id)
-                if kind in _INTERRUPTIBLE:
-                    self.interrupted.add(worker_id)
-                else:
-                    self.send(worker_id, kind, meta, arrays, blobs)
+                if sent.on_loss is OnLoss.INTERRUPT:
+                    self._interrupted.add(worker_id)
+                elif sent.on_loss is OnLoss.REPLAY:
+                    self.send(worker_id, sent.kind, sent.meta, sent.arrays, sent.blobs, sent.on_loss)
                     replies[worker_id] = self.gather([worker_id], doing, self.start_timeout)[worker_id]
         finally:
             self._recovering = False
 
     def _restart(self, worker_id: int) -> None:
+        """A replacement for ``worker_id``, joined, its envs rebuilt, and the restart hooks run."""
         logger.warning("Starting a replacement for worker %d (%s).", worker_id, self.describe_work(worker_id))
         self.launcher.kill(worker_id)
         self._monitor.forget(worker_id)
@@ -507,7 +551,7 @@ class WorkerPool:
         self._failed.discard(worker_id)
         self._send_init(worker_id, replacement=True)
         self.gather([worker_id], f"rebuilding the envs of worker {worker_id}", self.start_timeout)
-        for hook in self.restart_hooks:
+        for hook in self._restart_hooks:
             hook(worker_id)
 
     # -- shutdown --------------------------------------------------------------------------

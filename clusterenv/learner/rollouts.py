@@ -8,7 +8,7 @@ the learner is consuming, so it keeps collecting while the learner trains, with 
 copy that may lag. The flow, per worker::
 
     learner                                       worker
-    ROLLOUT(id, T, head, learner_version)  →      (queued; executed in id order)
+    ROLLOUT_AHEAD(id, T, head, learner_version) →      (queued; executed in id order)
                                            ←      ROLLOUT_RESULT(id, transitions, per-step versions)
     PROBE(id, version, outputs on id's     →      kept: the KL at the start of the next
           probe states, latest version)           rollout compares it with the current copy
@@ -36,13 +36,23 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 
 from clusterenv.errors import PolicyError, ProtocolError, WorkerTimeoutError
-from clusterenv.learner.pool import WorkerPool, weak_callback
+from clusterenv.learner.pool import OnLoss, WorkerPool, weak_callback
 from clusterenv.learner.rollout_batch import RolloutBatch
-from clusterenv.learner.step_buffers import WORKER_RESTARTED_KEY
+from clusterenv.learner.step_buffers import restarted_records
 from clusterenv.learner.vector_env import ClusterEnv
 from clusterenv.policy.heads import Head, default_head
-from clusterenv.policy.strategies import EveryUpdate, SyncStrategy, Telemetry, WorkerTelemetry
+from clusterenv.policy.strategies import EveryUpdate, SyncStrategy, Telemetry, WorkerTelemetry, probe_rows
 from clusterenv.wire.leaves import InfoRecord, leaf_specs, replay_infos, unflatten
+from clusterenv.wire.messages import (
+    ProbeMeta,
+    RolloutAheadMeta,
+    RolloutMeta,
+    RolloutResultMeta,
+    SetPolicyMeta,
+    WeightsMeta,
+    WeightsRequestMeta,
+    meta_of,
+)
 from clusterenv.wire.protocol import ROLLOUT_FIELDS, Kind, Message, split_rollout_frames
 
 if TYPE_CHECKING:
@@ -194,12 +204,12 @@ class PolicyRunner:
                 self._send_policy(pool, w)
             pool.gather(range(pool.num_workers), "installing the local policies", self._timeout())
         # A replacement worker (on_worker_failure="restart") gets the policy back, at the current version.
-        pool.restart_hooks.append(weak_callback(self._reinstall))
-        pool.replayable.add(Kind.ROLLOUT)
+        pool.on_restart(weak_callback(self._reinstall))
 
     def _send_policy(self, pool: WorkerPool, worker_id: int) -> None:
-        meta = {"names": self._names, "version": self._version, "seed": self.seed}
-        pool.send(worker_id, Kind.SET_POLICY, meta, self._weights, [self._architecture, self._strategy])
+        meta = SetPolicyMeta(names=self._names, version=self._version, seed=self.seed)
+        blobs = [self._architecture, self._strategy]
+        pool.send(worker_id, Kind.SET_POLICY, meta, self._weights, blobs, on_loss=OnLoss.RAISE)
         size = len(self._architecture) + sum(a.nbytes for a in self._weights)
         self._telemetry.workers[worker_id].initial_bytes += size
 
@@ -212,7 +222,7 @@ class PolicyRunner:
         self._probe_obs[worker_id] = None
         if self._stream is not None:  # its queued rollouts were lost with it: ask the replacement for them
             for meta in self._stream.in_flight(worker_id):
-                pool.send(worker_id, Kind.ROLLOUT, meta)
+                pool.send(worker_id, Kind.ROLLOUT_AHEAD, meta, on_loss=OnLoss.REISSUE)
 
     def _timeout(self) -> float | None:
         return self.envs.timeout if self.timeout is None else self.timeout
@@ -400,15 +410,13 @@ class PolicyRunner:
         if envs.needs_reset:
             envs.reset(seed=self.seed)
         outputs = self._probe_outputs() if self.send_probes else [None] * envs.num_workers
-        meta = {
-            "num_steps": num_steps,
-            "learner_version": self._version,
-            "head": head.to_meta(),
-            "probe_steps": self.probe_steps,
-        }
+        meta = RolloutMeta(
+            num_steps=num_steps, learner_version=self._version, head=head.to_meta(), probe_steps=self.probe_steps
+        )
         with envs.pending_call() as pool:
             for w, probe in enumerate(outputs):
-                pool.send(w, Kind.ROLLOUT, meta, [] if probe is None else [probe])
+                # A replacement gets the policy again (the restart hook), then this rollout on its fresh envs.
+                pool.send(w, Kind.ROLLOUT, meta, [] if probe is None else [probe], on_loss=OnLoss.REPLAY)
                 if probe is not None:
                     self._telemetry.workers[w].probe_bytes += probe.nbytes
             replies = pool.gather(
@@ -432,16 +440,16 @@ class PolicyRunner:
             # rollout() refills before taking the oldest batch, fragments() after taking one: either
             # way at most `prefetch` results per worker wait while the learner works.
             while stream.next_id[w] - stream.consumed[w] < self.prefetch + (stream.mode == "batches"):
-                meta = {
-                    "num_steps": num_steps,
-                    "learner_version": self._version,
-                    "head": head.to_meta(),
-                    "probe_steps": self.probe_steps,
-                    "prefetch": True,
-                    "rollout_id": stream.next_id[w],
-                    "keep_probes": self.prefetch + 2,
-                }
-                pool.send(w, Kind.ROLLOUT, meta)
+                meta = RolloutAheadMeta(
+                    num_steps=num_steps,
+                    learner_version=self._version,
+                    head=head.to_meta(),
+                    probe_steps=self.probe_steps,
+                    rollout_id=stream.next_id[w],
+                    keep_probes=self.prefetch + 2,
+                )
+                # A replacement gets the policy again, then these rollouts (the restart hook re-issues them).
+                pool.send(w, Kind.ROLLOUT_AHEAD, meta, on_loss=OnLoss.REISSUE)
                 stream.sent[w][stream.next_id[w]] = meta
                 stream.next_id[w] += 1
 
@@ -454,11 +462,11 @@ class PolicyRunner:
             w, msg = received
             timeout = 0.0  # after the first message, take only what has already arrived
             if msg.kind is Kind.WEIGHTS_REQUEST:
-                if int(msg.meta["version"]) < stream.pushed[w]:
+                if meta_of(msg, WeightsRequestMeta)["version"] < stream.pushed[w]:
                     continue  # asked before a pushed version reached it: that push is the answer
                 self._send_weights(w)
             elif msg.kind is Kind.ROLLOUT_RESULT:
-                rollout_id = int(msg.meta["rollout_id"])
+                rollout_id = meta_of(msg, RolloutResultMeta)["rollout_id"]
                 if stream.sent[w].pop(rollout_id, None) is None:
                     continue  # already answered before its worker was replaced
                 stream.results[w][rollout_id] = msg
@@ -471,7 +479,7 @@ class PolicyRunner:
 
     def _send_weights(self, worker_id: int) -> None:
         """Send the latest version's weights to a prefetching worker (it acts with them from its next step)."""
-        self.envs.pool.send(worker_id, Kind.SET_WEIGHTS, {"version": self._version, "prefetch": True}, self._weights)
+        self.envs.pool.send(worker_id, Kind.PUSH_WEIGHTS, WeightsMeta(version=self._version), self._weights)
         record = self._telemetry.workers[worker_id]
         record.pulls += 1
         record.weight_bytes += sum(a.nbytes for a in self._weights)
@@ -486,7 +494,7 @@ class PolicyRunner:
         rollout_id = stream.probe_id[worker_id] if rollout_id is None else rollout_id
         stream.probe_id[worker_id] = rollout_id
         outputs = self._learner.outputs(unflatten(self.envs.single_observation_space, obs))
-        meta = {"rollout_id": rollout_id, "version": self._version}
+        meta = ProbeMeta(rollout_id=rollout_id, version=self._version)
         self.envs.pool.send(worker_id, Kind.PROBE, meta, [outputs])
         self._telemetry.workers[worker_id].probe_bytes += outputs.nbytes
 
@@ -527,7 +535,7 @@ class PolicyRunner:
     def _answer_pull(self, worker_id: int, msg: Message) -> bool:
         if msg.kind is not Kind.WEIGHTS_REQUEST:
             return False
-        self.envs.pool.send(worker_id, Kind.SET_WEIGHTS, {"version": self._version}, self._weights)
+        self.envs.pool.send(worker_id, Kind.SET_WEIGHTS, WeightsMeta(version=self._version), self._weights)
         record = self._telemetry.workers[worker_id]
         record.pulls += 1
         record.weight_bytes += sum(a.nbytes for a in self._weights)
@@ -535,8 +543,7 @@ class PolicyRunner:
 
     def _keep_probe_states(self, worker_id: int, obs: list[np.ndarray]) -> None:
         """Keep the last ``probe_steps`` steps of a rollout's observation leaves ``(T, n, ...)``: what the worker keeps."""
-        probe = min(self.probe_steps, len(obs[0]))
-        self._probe_obs[worker_id] = [leaf[len(leaf) - probe :].reshape(-1, *leaf.shape[2:]).copy() for leaf in obs]
+        self._probe_obs[worker_id] = probe_rows(obs, self.probe_steps)
 
     # -- assembling ------------------------------------------------------------------------
     def _frames(self, worker_id: int, msg: Message) -> tuple[list[np.ndarray], dict[str, np.ndarray], list[np.ndarray]]:
@@ -570,14 +577,15 @@ class PolicyRunner:
             lags, counts = np.unique(self._version - transitions["policy_versions"], return_counts=True)
             for lag, count in zip(lags.tolist(), counts.tolist(), strict=True):
                 record.lag_counts[lag] += count
-            if msg.meta.get("kl") is not None:
-                record.record_kl(float(msg.meta["kl"]))
+            meta = meta_of(msg, RolloutResultMeta)
+            if meta["kl"] is not None:
+                record.record_kl(float(meta["kl"]))
             if self._stream is None:  # prefetch mode keeps them as each result arrives
                 self._keep_probe_states(w, obs)
             if msg.blobs[0]:
                 logs.append((offset, envs.pool.loads(msg.blobs[0])))
-            if msg.meta.get("restarted"):
-                restarted += [(i, {WORKER_RESTARTED_KEY: True}) for i in range(offset, offset + sl.stop - sl.start)]
+            if meta["restarted"]:
+                restarted += [(offset + i, info) for i, info in restarted_records(sl.stop - sl.start)]
             offset += sl.stop - sl.start
         infos: list[dict[str, Any]] = []
         for t in range(steps):
@@ -614,5 +622,5 @@ class _Stream:
         self.pushed = [-1] * num_workers  # the latest version pushed to each worker (EveryUpdate)
 
     def in_flight(self, worker_id: int) -> list[dict[str, Any]]:
-        """The ROLLOUT commands of a worker whose results have not arrived, oldest first."""
+        """The ROLLOUT_AHEAD commands of a worker whose results have not arrived, oldest first."""
         return [self.sent[worker_id][r] for r in sorted(self.sent[worker_id])]

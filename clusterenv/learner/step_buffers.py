@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from copy import deepcopy
 from typing import Any
 
@@ -19,17 +19,24 @@ import numpy as np
 from gymnasium import spaces
 from gymnasium.vector.utils import concatenate, create_empty_array, iterate
 
-from clusterenv.learner.pool import WorkerPool
+from clusterenv.learner.pool import OnLoss, WorkerPool
 from clusterenv.wire import shared_memory
-from clusterenv.wire.leaves import is_array_tree, leaf_arrays, replay_infos, unflatten
+from clusterenv.wire.leaves import InfoRecord, is_array_tree, leaf_arrays, replay_infos, unflatten
+from clusterenv.wire.messages import ValueMeta, meta_of
 from clusterenv.wire.protocol import STEP_FIELDS, Kind, Message
 
-__all__ = ["WORKER_RESTARTED_KEY", "BatchBuffers", "share_with_local_workers"]
+__all__ = ["WORKER_RESTARTED_KEY", "BatchBuffers", "restarted_records", "share_with_local_workers"]
 
 logger = logging.getLogger(__name__)
 
 #: The info key (with its ``_`` mask) flagging envs whose episode a worker restart cut short.
 WORKER_RESTARTED_KEY = "worker_restarted"
+
+
+def restarted_records(count: int, extra: Mapping[int, dict[str, Any]] | None = None) -> list[InfoRecord]:
+    """The info records of ``count`` envs whose episodes a worker restart cut short, with each env's ``extra`` info."""
+    extra = extra or {}
+    return [(i, {**extra.get(i, {}), WORKER_RESTARTED_KEY: True}) for i in range(count)]
 
 
 class BatchBuffers:
@@ -116,8 +123,7 @@ class BatchBuffers:
             reset_infos: dict[int, dict[str, Any]] = dict(self.loads(reset.blobs[0])) if reset.blobs[0] else {}
             for i in range(len(extra)):
                 extra[i] = {"final_obs": final_obs[i], "final_info": {}, **reset_infos.get(i, {})}
-        records = [(i, {**info, WORKER_RESTARTED_KEY: True}) for i, info in enumerate(extra)]
-        return replay_infos(infos, records, self.num_envs, sl.start)
+        return replay_infos(infos, restarted_records(len(extra), dict(enumerate(extra))), self.num_envs, sl.start)
 
     def rows(self, env_ids: np.ndarray) -> Any:
         """A fresh batch of the observations of envs ``env_ids``, in that order (first-ready batches)."""
@@ -148,10 +154,10 @@ def share_with_local_workers(pool: WorkerPool, space: spaces.Space, slices: list
     try:
         pool.new_call()
         for w in local:
-            pool.send(w, Kind.SHARE_OBS, shared.meta(slices[w].start, slices[w].stop))
+            pool.send(w, Kind.SHARE_OBS, shared.meta(slices[w].start, slices[w].stop), on_loss=OnLoss.RAISE)
         replies = pool.gather(local, "mapping shared observations", timeout)
     finally:
         shared.unlink()
-    attached = sorted(w for w, reply in replies.items() if reply.meta.get("attached"))
+    attached = sorted(w for w, reply in replies.items() if meta_of(reply, ValueMeta).get("attached"))
     logger.debug("Workers %s write observations into shared memory at %s.", attached, shared.path)
     return shared.observations

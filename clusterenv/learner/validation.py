@@ -14,6 +14,7 @@ import numpy as np
 from gymnasium import Env, spaces
 from gymnasium.vector.utils import iterate
 
+from clusterenv.wire.contract import per_env_seeds
 from clusterenv.wire.leaves import leaf_arrays
 from clusterenv.wire.protocol import MAX_HEADER_INT
 
@@ -161,7 +162,7 @@ def check_seeds(seed: Any, num_envs: int) -> list[int | None]:
     if isinstance(seed, np.ndarray):
         seed = seed.tolist()
     if seed is None:
-        return [None] * num_envs
+        return per_env_seeds(None, num_envs)
     if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
         seed = int(seed)
         if seed < 0:
@@ -173,16 +174,13 @@ def check_seeds(seed: Any, num_envs: int) -> list[int | None]:
                 f"`seed` must be at most 2**64 - {num_envs} = {MAX_HEADER_INT - num_envs + 1} for {num_envs} envs "
                 f"(env i gets `seed + i`, and no seed above 2**64 - 1 can be sent to a worker), got {seed}."
             )
-        return [seed + i for i in range(num_envs)]
+        return per_env_seeds(seed, num_envs)
     if isinstance(seed, (str, bytes)) or not isinstance(seed, Sequence):
         raise TypeError(
             f"`seed` must be an int, a list of int or None (one per env), or None, got {type(seed).__name__}."
         )
-    if len(seed) != num_envs:
-        raise ValueError(
-            f"If seeds are passed as a list the length must match num_envs={num_envs} but got length={len(seed)}."
-        )
-    for i, value in enumerate(seed):
+    seeds = list(seed)
+    for i, value in enumerate(seeds if len(seeds) == num_envs else []):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
             raise TypeError(f"`seed[{i}]` must be an int or None, got {type(value).__name__} ({value!r}).")
         if value is not None and not 0 <= value <= MAX_HEADER_INT:
@@ -190,7 +188,7 @@ def check_seeds(seed: Any, num_envs: int) -> list[int | None]:
                 f"`seed[{i}]` must be between 0 (Gymnasium's `np_random` requires it) and 2**64 - 1 (the largest "
                 f"seed that can be sent to a worker), got {value}."
             )
-    return [None if value is None else int(value) for value in seed]
+    return per_env_seeds(seeds, num_envs)  # refuses a list of the wrong length, as SyncVectorEnv does first
 
 
 def check_reset_options(

@@ -19,7 +19,7 @@ from gymnasium.vector.utils import batch_differing_spaces, batch_space
 
 from clusterenv.launch.launchers import Launcher
 from clusterenv.learner.first_ready import FirstReady, Ready
-from clusterenv.learner.pool import Command, WorkerPool, weak_callback
+from clusterenv.learner.pool import Command, OnLoss, WorkerPool, weak_callback
 from clusterenv.learner.step_buffers import WORKER_RESTARTED_KEY, BatchBuffers, share_with_local_workers
 from clusterenv.learner.validation import (
     action_items,
@@ -41,6 +41,7 @@ from clusterenv.learner.validation import (
 from clusterenv.wire.contract import by_part, check_spaces, in_index_order, per_env_values, split_evenly, values_by_part
 from clusterenv.wire.leaves import is_array_tree, leaf_specs
 from clusterenv.wire.liveness import Heartbeat
+from clusterenv.wire.messages import CallMeta, EnvsMeta, ResetMeta
 from clusterenv.wire.protocol import Kind, Message
 
 __all__ = ["WORKER_RESTARTED_KEY", "ClusterEnv"]
@@ -204,7 +205,7 @@ class ClusterEnv(VectorEnv):
             raise
 
         self._action_specs = leaf_specs(self.single_action_space) if is_array_tree(self.single_action_space) else None
-        self._pool.restart_hooks.append(weak_callback(self._reset_replacement_in_flight))
+        self._pool.on_restart(weak_callback(self._reset_replacement_in_flight))
 
     @property
     def batch_size(self) -> int:
@@ -213,7 +214,7 @@ class ClusterEnv(VectorEnv):
 
     @batch_size.setter
     def batch_size(self, value: int) -> None:
-        if self._first_ready.streaming():
+        if self._first_ready.busy_workers():
             raise AlreadyPendingCallError(
                 "Cannot change `batch_size` while envs are in flight: recv() them first.", "step"
             )
@@ -255,12 +256,12 @@ class ClusterEnv(VectorEnv):
         context = _worker_context(observation_mode[1] if custom else None)
         self._pool.new_call()
         for w, sl in enumerate(self._slices):
-            meta = {
-                "env_offset": sl.start,
-                "autoreset_mode": self.autoreset_mode.value,
-                "observation_mode": "custom" if custom else observation_mode,
-                "procs_per_worker": self.procs_per_worker,
-            }
+            meta = EnvsMeta(
+                env_offset=sl.start,
+                autoreset_mode=self.autoreset_mode.value,
+                observation_mode="custom" if custom else observation_mode,
+                procs_per_worker=self.procs_per_worker,
+            )
             self._pool.send_init(w, meta, [context, *pickled_fns[sl]])
         replies = self._pool.gather(range(self.num_workers), "building envs", timeout)
         descriptions = [self._pool.loads(replies[w].blobs[0]) for w in range(self.num_workers)]
@@ -292,9 +293,9 @@ class ClusterEnv(VectorEnv):
     def _begin(self, state: AsyncState, name: str) -> None:
         """Start a call of method ``name`` (named in errors as ``AsyncVectorEnv`` names it), entering ``state``."""
         self._assert_is_running()
-        if streaming := self._first_ready.streaming():
+        if busy := self._first_ready.busy_workers():
             raise AlreadyPendingCallError(
-                f"Calling `{name}` while {len(streaming)} workers' envs are in "
+                f"Calling `{name}` while {len(busy)} workers' envs are in "
                 "flight from async_reset()/send(): recv() them all first.",
                 "step",
             )
@@ -346,8 +347,10 @@ class ClusterEnv(VectorEnv):
                 continue
             mine = options[sl] if isinstance(options, list) else options
             blobs = [] if mine is None else [pickle_argument(mine, "`options` of reset")]
-            commands[w] = ({"seeds": seeds[sl], "mask": None if mask is None else mask[sl].tolist()}, (), blobs)
-        self._pool.send_each(Kind.RESET, commands)  # all or none: a partial reset would desynchronize the envs
+            commands[w] = (ResetMeta(seeds=seeds[sl], mask=None if mask is None else mask[sl].tolist()), (), blobs)
+        self._pool.send_each(
+            Kind.RESET, commands, OnLoss.REPLAY
+        )  # all or none: a partial reset would desynchronize the envs
         self._pending = list(commands)
         if mask is None:
             self._buffers.rewards[:] = 0.0
@@ -381,7 +384,7 @@ class ClusterEnv(VectorEnv):
         else:
             leaves = check_actions(actions, self.single_action_space, self._action_specs, self.num_envs)
             commands = {w: (None, [leaf[sl] for leaf in leaves], ()) for w, sl in enumerate(self._slices)}
-        self._pool.send_each(Kind.STEP, commands)
+        self._pool.send_each(Kind.STEP, commands, OnLoss.INTERRUPT)  # the cut episodes are reported as truncated
         self._pending = list(range(self.num_workers))
         self._state = AsyncState.WAITING_STEP
 
@@ -391,8 +394,9 @@ class ClusterEnv(VectorEnv):
         replies = self._pool.gather(self._pending, "stepping", self.timeout if timeout is None else timeout)
         self._state = AsyncState.DEFAULT
         infos = self._collect(replies, step=True)
-        if self._pool.interrupted:
-            infos = self._report_interrupted(infos)
+        interrupted = self._pool.take_interrupted()
+        if interrupted:
+            infos = self._report_interrupted(infos, interrupted)
         buffers = self._buffers
         return (
             buffers.observation_batch(self.copy),
@@ -405,7 +409,7 @@ class ClusterEnv(VectorEnv):
     def _collect(self, replies: dict[int, Message], step: bool) -> dict[str, Any]:
         return self._buffers.collect([(self._slices[w], replies[w]) for w in sorted(replies)], step)
 
-    def _report_interrupted(self, infos: dict[str, Any]) -> dict[str, Any]:
+    def _report_interrupted(self, infos: dict[str, Any], interrupted: list[int]) -> dict[str, Any]:
         """Report the episodes that a worker restart cut short as truncations (semantics in docs/guides/fault-tolerance.md).
 
         Reward 0, ``terminated=False``, ``truncated=True`` and ``infos["worker_restarted"]``.
@@ -413,11 +417,9 @@ class ClusterEnv(VectorEnv):
         observation is the reset one, ``final_obs`` the last one received and ``final_info`` empty.
         Under NEXT_STEP the observation is the last one received, and the next step resets.
         """
-        interrupted = sorted(self._pool.interrupted)
-        self._pool.interrupted.clear()
         resets: dict[int, Message] = {}
         if self.autoreset_mode is AutoresetMode.SAME_STEP:
-            meta = {"seeds": None, "mask": None}
+            meta = ResetMeta(seeds=None, mask=None)
             resets = self._pool.request(interrupted, Kind.RESET, meta, "resetting a replacement's envs", self.timeout)
         for w in interrupted:
             infos = self._buffers.cut_short(infos, self._slices[w], resets.get(w))
@@ -459,10 +461,11 @@ class ClusterEnv(VectorEnv):
             )
         n, plan = self._first_ready.plan(env_ids)
         leaves = check_actions(actions, self.single_action_space, self._action_specs, n)
-        if not self._first_ready.streaming():
+        if not self._first_ready.busy_workers():
             self._begin(AsyncState.WAITING_STEP, "send")
             self._state = AsyncState.WAITING_STEP
-        self._pool.send_each(Kind.STEP, self._first_ready.step_commands(leaves, plan))
+        # A replacement's envs are reset by the restart hook, and recv() reports their cut episodes.
+        self._pool.send_each(Kind.STEP, self._first_ready.step_commands(leaves, plan), OnLoss.REISSUE)
         self._first_ready.in_flight.update((w, "step") for w, _ in plan)
 
     def recv(self, timeout: float | None = None) -> Ready:
@@ -475,14 +478,14 @@ class ClusterEnv(VectorEnv):
         """
         self._assert_is_running()
         needed = self.num_workers * self._batch_size // self.num_envs  # exact: whole workers
-        if len(self._first_ready.streaming()) < needed:
+        if len(self._first_ready.busy_workers()) < needed:
             raise NoAsyncCallError(
                 f"recv() returns batch_size={self.batch_size} envs, but only {self._first_ready.envs_in_flight()} "
                 "are in flight: send() actions for more envs first.",
                 "step",
             )
         ready = self._first_ready.wait(self._pool, needed, self.timeout if timeout is None else timeout)
-        if not self._first_ready.streaming():
+        if not self._first_ready.busy_workers():
             self._state = AsyncState.DEFAULT
         return self._first_ready.assemble(ready, self._buffers)
 
@@ -510,9 +513,9 @@ class ClusterEnv(VectorEnv):
         self._begin(AsyncState.WAITING_CALL, method)
         blob = pickle_argument((args, kwargs), what)
         commands: dict[int, Command] = {
-            w: ({"name": name, "indices": local}, (), [blob]) for w, local in by_part(indices, self._slices).items()
+            w: (CallMeta(name=name, indices=local), (), [blob]) for w, local in by_part(indices, self._slices).items()
         }
-        self._pool.send_each(Kind.CALL, commands)
+        self._pool.send_each(Kind.CALL, commands, OnLoss.REPLAY)
         self._pending, self._pending_indices = list(commands), indices
         self._state = AsyncState.WAITING_CALL
 
@@ -572,8 +575,8 @@ class ClusterEnv(VectorEnv):
         commands: dict[int, Command] = {}
         for w, (local, mine) in values_by_part(chosen, self._slices, values).items():
             blob = pickle_argument(mine, f"values of set_attr({name!r})")
-            commands[w] = ({"name": name, "indices": local}, (), [blob])
-        self._pool.send_each(Kind.SET_ATTR, commands)
+            commands[w] = (CallMeta(name=name, indices=local), (), [blob])
+        self._pool.send_each(Kind.SET_ATTR, commands, OnLoss.REPLAY)
         self._state = AsyncState.WAITING_CALL
         try:
             self._pool.gather(commands, "setting attributes", self.timeout, errors_close=False)
@@ -597,7 +600,9 @@ class ClusterEnv(VectorEnv):
     # -- shutdown --------------------------------------------------------------------------
     def close_extras(self, timeout: float | None = None, terminate: bool = False, **kwargs: Any) -> None:
         """Ask workers to close their envs and exit; kill those that do not within the grace period."""
-        pending = self._state is not AsyncState.DEFAULT and self._holder is None and not self._first_ready.streaming()
+        pending = (
+            self._state is not AsyncState.DEFAULT and self._holder is None and not self._first_ready.busy_workers()
+        )
         abandoned = self._state.value
         self._state = AsyncState.DEFAULT
         self._pool.close(_CLOSE_GRACE_S if timeout is None else timeout, terminate=terminate)

@@ -46,7 +46,7 @@ Examples:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -614,7 +614,7 @@ def default_head(action_space: spaces.Space) -> Head:
     )
 
 
-def head_from_meta(meta: dict[str, Any]) -> Head:
+def head_from_meta(meta: Mapping[str, Any]) -> Head:
     """Rebuild a head from :meth:`Head.to_meta`."""
     fields = dict(meta)
     name = fields.pop("name")

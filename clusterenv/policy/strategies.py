@@ -41,7 +41,18 @@ __all__ = [
     "WorkerTelemetry",
     "kl_divergence",
     "mean_kl",
+    "probe_rows",
 ]
+
+
+def probe_rows(leaves: list[np.ndarray], probe_steps: int) -> list[np.ndarray]:
+    """A rollout's probe states: the last ``probe_steps`` steps of each ``(T, n, ...)`` leaf, as rows (steps × envs).
+
+    The learner and the worker both slice a rollout with this, so the KL compares their
+    outputs on the same states, row for row (the worker slices its outputs the same way).
+    """
+    probe = min(probe_steps, len(leaves[0]))
+    return [leaf[len(leaf) - probe :].reshape(-1, *leaf.shape[2:]).copy() for leaf in leaves]
 
 
 def mean_kl(head: Head, learner_outputs: np.ndarray, local_outputs: np.ndarray) -> float:

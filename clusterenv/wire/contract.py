@@ -14,7 +14,15 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
-__all__ = ["by_part", "check_spaces", "in_index_order", "per_env_values", "split_evenly", "values_by_part"]
+__all__ = [
+    "by_part",
+    "check_spaces",
+    "in_index_order",
+    "per_env_seeds",
+    "per_env_values",
+    "split_evenly",
+    "values_by_part",
+]
 
 
 def check_spaces(
@@ -50,6 +58,19 @@ def per_env_values(values: Any, num_envs: int) -> list[Any] | tuple[Any, ...]:
             f"Got `{len(values)}` values for {num_envs} environments."
         )
     return values
+
+
+def per_env_seeds(seed: int | Sequence[int | None] | None, num_envs: int) -> list[int | None]:
+    """Each env's seed, as ``SyncVectorEnv.reset`` derives them: ``seed=n`` gives env ``i`` the seed ``n + i``."""
+    if seed is None:
+        return [None] * num_envs
+    if isinstance(seed, int):
+        return [seed + i for i in range(num_envs)]
+    if len(seed) != num_envs:
+        raise ValueError(
+            f"If seeds are passed as a list the length must match num_envs={num_envs} but got length={len(seed)}."
+        )
+    return [None if value is None else int(value) for value in seed]
 
 
 def split_evenly(num_envs: int, parts: int) -> list[slice]:

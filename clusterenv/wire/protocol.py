@@ -33,6 +33,7 @@ import hmac
 import math
 import re
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
@@ -68,7 +69,7 @@ __all__ = [
     "verify",
 ]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_HEADER_BYTES = 64 * 1024
 #: The largest integer a header can carry (msgpack's uint64); the smallest is -2**63.
 MAX_HEADER_INT = 2**64 - 1
@@ -101,6 +102,8 @@ class Kind(IntEnum):
     SET_POLICY = 7
     SET_WEIGHTS = 8
     ROLLOUT = 9
+    ROLLOUT_AHEAD = 10
+    PUSH_WEIGHTS = 11
     SHARE_OBS = 12
     PROBE = 13
     WELCOME = 14
@@ -169,7 +172,7 @@ class Message:
     """A decoded message, or a worker handler's reply. ``blobs`` stay bytes: the caller decides whether to unpickle."""
 
     kind: Kind
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: Mapping[str, Any] = field(default_factory=dict)
     arrays: list[np.ndarray] = field(default_factory=list)
     blobs: list[bytes] = field(default_factory=list)
 
@@ -264,7 +267,7 @@ def read_trailer(frame: Any) -> tuple[int, int, bytes]:
 
 def encode(
     kind: Kind,
-    meta: dict[str, Any] | None = None,
+    meta: Mapping[str, Any] | None = None,
     arrays: list[np.ndarray] | tuple[np.ndarray, ...] = (),
     blobs: list[bytes] | tuple[bytes, ...] = (),
     *,

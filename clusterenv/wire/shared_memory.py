@@ -25,6 +25,7 @@ import os
 import secrets
 import shutil
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,7 @@ from gymnasium import spaces
 
 from clusterenv.wire.cleanup import scratch_dir, shared_memory_base
 from clusterenv.wire.leaves import is_array_tree, leaf_specs, unflatten
+from clusterenv.wire.messages import ShareObsMeta
 
 __all__ = ["SHARED_OBS_MIN_BYTES", "SharedObservations", "attach", "bytes_per_env"]
 
@@ -89,23 +91,23 @@ class SharedObservations:
         self._buffer[:_TOKEN_BYTES] = self._token
         self.observations = unflatten(space, _views(self._buffer, self._leaves))
 
-    def meta(self, start: int, stop: int) -> dict[str, Any]:
+    def meta(self, start: int, stop: int) -> ShareObsMeta:
         """What a worker running envs ``start..stop-1`` needs to map its slice."""
-        return {
-            "path": self.path,
-            "token": self._token.hex(),
-            "size": len(self._buffer),
-            "leaves": [[offset, dtype.str, list(shape)] for offset, dtype, shape in self._leaves],
-            "start": start,
-            "stop": stop,
-        }
+        return ShareObsMeta(
+            path=self.path,
+            token=self._token.hex(),
+            size=len(self._buffer),
+            leaves=[[offset, dtype.str, list(shape)] for offset, dtype, shape in self._leaves],
+            start=start,
+            stop=stop,
+        )
 
     def unlink(self) -> None:
         """Remove the file; the mappings stay valid. Later workers (replacements) use frames."""
         self._remove_dir()
 
 
-def attach(meta: dict[str, Any], space: spaces.Space) -> Any | None:
+def attach(meta: Mapping[str, Any], space: spaces.Space) -> Any | None:
     """The worker's side: the worker's slice of the shared batch, or ``None`` if it cannot be mapped here."""
     try:
         fd = os.open(meta["path"], os.O_RDWR)

@@ -43,6 +43,7 @@ from zmq.utils import z85
 
 from clusterenv.errors import ProtocolError
 from clusterenv.wire.cleanup import scratch_dir
+from clusterenv.wire.messages import WelcomeMeta, check_meta
 from clusterenv.wire.protocol import (
     NONCE_BYTES,
     Kind,
@@ -185,6 +186,13 @@ class _DropLog:
             logger.warning("Dropped a message from %r: %s", sender, exc)
         else:
             self.suppressed += 1
+
+
+def _decoded(frames: list[Any], n_arrays: int) -> Message:
+    """The message in verified ``frames``, its meta checked against its kind's declaration."""
+    msg = parse(frames, n_arrays)
+    check_meta(msg.kind, msg.meta)
+    return msg
 
 
 @dataclass
@@ -331,7 +339,7 @@ class Channel:
     def send(
         self,
         kind: Kind,
-        meta: dict[str, Any] | None = None,
+        meta: Mapping[str, Any] | None = None,
         arrays: list[np.ndarray] | tuple[np.ndarray, ...] = (),
         blobs: list[bytes] | tuple[bytes, ...] = (),
         *,
@@ -347,7 +355,7 @@ class Channel:
     def frames(
         self,
         kind: Kind,
-        meta: dict[str, Any] | None = None,
+        meta: Mapping[str, Any] | None = None,
         arrays: list[np.ndarray] | tuple[np.ndarray, ...] = (),
         blobs: list[bytes] | tuple[bytes, ...] = (),
         *,
@@ -363,7 +371,7 @@ class Channel:
         self,
         session: Session,
         kind: Kind,
-        meta: dict[str, Any] | None,
+        meta: Mapping[str, Any] | None,
         arrays: list[np.ndarray] | tuple[np.ndarray, ...],
         blobs: list[bytes] | tuple[bytes, ...],
     ) -> list[Any]:
@@ -378,7 +386,7 @@ class Channel:
         self,
         session: Session,
         kind: Kind,
-        meta: dict[str, Any] | None,
+        meta: Mapping[str, Any] | None,
         arrays: list[np.ndarray] | tuple[np.ndarray, ...],
         blobs: list[bytes] | tuple[bytes, ...],
         to: bytes | None,
@@ -445,7 +453,7 @@ class Channel:
                             "a replayed or reordered message."
                         )
                     session.received = counter
-                    return sender, parse(frames, n_arrays)
+                    return sender, _decoded(frames, n_arrays)
             except ProtocolError as exc:
                 self._drop_log(sender, exc)
             if deadline is not None and time.monotonic() >= deadline:
@@ -460,7 +468,7 @@ class Channel:
             except ProtocolError:
                 pass  # not the JOIN: maybe a new HELLO, checked below
             else:
-                if parse(frames, n_arrays).kind is not Kind.JOIN:
+                if _decoded(frames, n_arrays).kind is not Kind.JOIN:
                     raise ProtocolError("Expected JOIN from a peer joining.")
                 del self._pending[sender]
                 session.received = counter
@@ -469,7 +477,7 @@ class Channel:
         if not self.accept_joins and self._hello_nonce is None:
             raise ProtocolError("The peer has not joined.")
         _, n_arrays = verify(frames, mac=self._hello_session().recv_mac, cover_arrays=self.cover_arrays)
-        msg = parse(frames, n_arrays)
+        msg = _decoded(frames, n_arrays)
         if sender is None:  # a worker: the learner's WELCOME
             nonce = msg.meta.get("nonce")
             if msg.kind is not Kind.WELCOME or msg.meta.get("echo") != self._hello_nonce or self._hello_nonce is None:
@@ -484,7 +492,7 @@ class Channel:
             self.sessions[None], self._hello_nonce = session, None
             self._send(session, Kind.JOIN, {}, (), (), None)
             return None
-        nonce = msg.meta.pop("nonce", None)
+        nonce = msg.meta.get("nonce")
         if msg.kind is not Kind.HELLO:
             raise ProtocolError(f"Unexpected {msg.kind.name} from a peer that has not joined.")
         if type(nonce) is not bytes or len(nonce) != NONCE_BYTES:
@@ -494,9 +502,12 @@ class Channel:
         self._pending.pop(sender, None)
         if len(self._pending) >= _MAX_PENDING_JOINS:
             del self._pending[next(iter(self._pending))]
-        self._pending[sender] = (session, msg)
+        # The nonce was the channel's business; the caller sees the HELLO the worker's code sent.
+        hello = Message(msg.kind, {key: value for key, value in msg.meta.items() if key != "nonce"})
+        self._pending[sender] = (session, hello)
         try:
-            self._send(self._hello_session(), Kind.WELCOME, {"nonce": learner_nonce, "echo": nonce}, (), (), sender)
+            welcome = WelcomeMeta(nonce=learner_nonce, echo=nonce)
+            self._send(self._hello_session(), Kind.WELCOME, welcome, (), (), sender)
         except zmq.ZMQError:
             del self._pending[sender]  # gone already
         return None

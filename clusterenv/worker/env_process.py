@@ -18,7 +18,7 @@ import os
 import pickle
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -51,7 +51,7 @@ class _ChildEnvs:
         self.array_obs = is_array_tree(self.envs.single_observation_space)
         return self.envs.description()
 
-    def share(self, meta: dict[str, Any]) -> bool:
+    def share(self, meta: Mapping[str, Any]) -> bool:
         assert self.envs is not None
         return self.envs.share_observations(meta)
 

@@ -41,6 +41,7 @@ import pickle
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from multiprocessing import Pipe
 from typing import Any
 
@@ -50,8 +51,17 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_differing_spaces, batch_space, concatenate, create_empty_array, iterate
 
 from clusterenv.wire import shared_memory
-from clusterenv.wire.contract import by_part, check_spaces, in_index_order, per_env_values, split_evenly, values_by_part
+from clusterenv.wire.contract import (
+    by_part,
+    check_spaces,
+    in_index_order,
+    per_env_seeds,
+    per_env_values,
+    split_evenly,
+    values_by_part,
+)
 from clusterenv.wire.leaves import InfoRecord, is_array_tree, leaf_arrays
+from clusterenv.wire.processes import child_environment
 from clusterenv.worker.failures import EnvFailure
 from clusterenv.worker.recording_env import dumps
 
@@ -86,13 +96,7 @@ class _Child:
     def __init__(self, index: int, part: slice, env_offset: int) -> None:
         self.index, self.part, self.env_offset = index, part, env_offset
         ours, theirs = Pipe()
-        # The secret is the worker's business: a child never talks to the learner.
-        from clusterenv.wire.transport import SECRET_ENV_VAR
-
-        env = {name: value for name, value in os.environ.items() if name != SECRET_ENV_VAR}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-            env.setdefault(var, "1")
+        env = child_environment(secret=None)  # the secret is the worker's business: a child never talks to the learner
         fd = theirs.fileno()
         command = [
             sys.executable,
@@ -231,7 +235,7 @@ class ProcVectorEnv(VectorEnv):
             private.unlink()  # every child has mapped it (or failed to): the name is no longer needed
         self._observations = private.observations
 
-    def _map_children(self, meta: dict[str, Any]) -> None:
+    def _map_children(self, meta: Mapping[str, Any]) -> None:
         """Have every child write its part of the batch that ``meta`` describes (``shared_obs``).
 
         Only ever asked for a batch that this process has mapped: a child on the same host
@@ -284,16 +288,7 @@ class ProcVectorEnv(VectorEnv):
         self, *, seed: int | list[int | None] | None = None, options: dict[str, Any] | None = None
     ) -> tuple[Any, dict[str, Any]]:
         """Reset the envs (those in ``options["reset_mask"]``, if given), as ``SyncVectorEnv.reset``; infos go to ``info_log``."""
-        if seed is None:
-            seeds: list[int | None] = [None] * self.num_envs
-        elif isinstance(seed, int):
-            seeds = [seed + i for i in range(self.num_envs)]
-        else:
-            seeds = list(seed)
-        if len(seeds) != self.num_envs:
-            raise ValueError(
-                f"If seeds are passed as a list the length must match num_envs={self.num_envs} but got length={len(seeds)}."
-            )
+        seeds = per_env_seeds(seed, self.num_envs)
         options = None if options is None else dict(options)
         mask = None if options is None or "reset_mask" not in options else np.asarray(options.pop("reset_mask"))
         commands = {}
@@ -372,7 +367,7 @@ class ProcVectorEnv(VectorEnv):
         self._all(lambda c: ("mark_autoreset_pending", None))
         self._autoreset[:] = True
 
-    def share_observations(self, meta: dict[str, Any]) -> bool:
+    def share_observations(self, meta: Mapping[str, Any]) -> bool:
         """Have the children write observations into the learner's shared batch (``shared_obs``), if it maps here."""
         view = shared_memory.attach(meta, self.single_observation_space)
         if view is None:

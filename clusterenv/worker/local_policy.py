@@ -34,13 +34,23 @@ from gymnasium.vector import AutoresetMode
 
 from clusterenv.errors import PolicyError
 from clusterenv.policy.heads import head_from_meta
-from clusterenv.policy.strategies import EveryUpdate, SyncStrategy, mean_kl
+from clusterenv.policy.strategies import EveryUpdate, SyncStrategy, mean_kl, probe_rows
 from clusterenv.wire.leaves import is_array_tree, leaf_arrays, unflatten
+from clusterenv.wire.messages import (
+    ProbeMeta,
+    RolloutAheadMeta,
+    RolloutMeta,
+    RolloutResultMeta,
+    SetPolicyMeta,
+    WeightsMeta,
+    WeightsRequestMeta,
+    meta_of,
+)
 from clusterenv.wire.protocol import Kind, Message, rollout_frames
 
 if TYPE_CHECKING:
     from clusterenv.policy.shipping import LocalPolicy
-    from clusterenv.worker.process import Worker
+    from clusterenv.worker.commands import Worker
 
 __all__ = ["RolloutAborted", "install"]
 
@@ -76,9 +86,10 @@ class _WorkerPolicy:
         assert envs is not None
         if not is_array_tree(envs.single_observation_space):  # the learner refuses these before shipping
             raise PolicyError(f"Local policies cannot take observations of space {envs.single_observation_space}.")
-        self.policy = LocalPolicy(msg.blobs[0], msg.meta["names"], list(msg.arrays), version=msg.meta["version"])
+        meta = meta_of(msg, SetPolicyMeta)
+        self.policy = LocalPolicy(msg.blobs[0], meta["names"], list(msg.arrays), version=meta["version"])
         self.strategy = pickle.loads(msg.blobs[1])
-        seed = msg.meta["seed"]
+        seed = meta["seed"]
         # One generator per env, keyed by its global index: samples do not depend on the worker split.
         offset = self.worker.env_offset
         self.rngs = [np.random.default_rng(None if seed is None else [seed, offset + i]) for i in range(envs.num_envs)]
@@ -87,24 +98,27 @@ class _WorkerPolicy:
         return Message(Kind.VALUE)
 
     def rollout(self, msg: Message) -> Message:
+        """A lockstep rollout: check the KL, pull and wait for the weights if the strategy says so, act."""
         if self.policy is None:
             raise PolicyError("ROLLOUT before SET_POLICY: this worker holds no policy.")
-        request = dict(msg.meta, head=head_from_meta(msg.meta["head"]), kl=None)
-        if msg.meta.get("prefetch"):
-            return self._prefetched(request)
+        meta = meta_of(msg, RolloutMeta)
+        request: dict[str, Any] = {**meta, "head": head_from_meta(meta["head"]), "kl": None}
         if msg.arrays and self.probe_outputs is not None:
             request["kl"] = mean_kl(request["head"], msg.arrays[0], self.probe_outputs)
         pull = self.strategy.should_pull(
-            local_version=self.policy.version, learner_version=msg.meta["learner_version"], kl=request["kl"]
+            local_version=self.policy.version, learner_version=meta["learner_version"], kl=request["kl"]
         )
         if pull:
             self.pending = request
-            return Message(Kind.WEIGHTS_REQUEST, {"kl": request["kl"], "version": self.policy.version})
+            return Message(Kind.WEIGHTS_REQUEST, WeightsRequestMeta(kl=request["kl"], version=self.policy.version))
         return self._act(request)[0]
 
-    def _prefetched(self, request: dict[str, Any]) -> Message:
+    def rollout_ahead(self, msg: Message) -> Message:
         """A rollout of a prefetching runner: check the KL, ask for weights without waiting, act."""
-        assert self.policy is not None
+        if self.policy is None:
+            raise PolicyError("ROLLOUT_AHEAD before SET_POLICY: this worker holds no policy.")
+        meta = meta_of(msg, RolloutAheadMeta)
+        request: dict[str, Any] = {**meta, "head": head_from_meta(meta["head"]), "kl": None}
         mailbox = self.worker.mailbox
         mailbox.poll()  # the latest probe outputs and any weights that came while this rollout was queued
         learner_version = int(request["learner_version"])
@@ -118,31 +132,37 @@ class _WorkerPolicy:
         )
         if pull and not self.pull_outstanding:
             self.pull_outstanding = True
-            mailbox.send(Message(Kind.WEIGHTS_REQUEST, {"kl": request["kl"], "version": self.policy.version}))
+            mailbox.send(
+                Message(Kind.WEIGHTS_REQUEST, WeightsRequestMeta(kl=request["kl"], version=self.policy.version))
+            )
         reply, obs = self._act(request, between_steps=mailbox.poll)
         rollout_id = int(request["rollout_id"])
-        probe = min(int(request["probe_steps"]), int(request["num_steps"]))
-        leaves = [leaf[len(leaf) - probe :].reshape(-1, *leaf.shape[2:]).copy() for leaf in obs]
+        leaves = probe_rows(obs, int(request["probe_steps"]))
         assert self.worker.envs is not None
         self.probe_obs[rollout_id] = unflatten(self.worker.envs.single_observation_space, leaves)
         for old in [r for r in self.probe_obs if r < rollout_id - int(request["keep_probes"])]:
             del self.probe_obs[old]
-        reply.meta["rollout_id"] = rollout_id
-        return reply
+        return Message(reply.kind, {**reply.meta, "rollout_id": rollout_id}, reply.arrays, reply.blobs)
 
     def probe(self, msg: Message) -> None:
         """The learner's latest outputs on the probe states of one of this worker's rollouts (prefetch mode)."""
-        self.learner_probe = (int(msg.meta["rollout_id"]), int(msg.meta["version"]), msg.arrays[0])
+        meta = meta_of(msg, ProbeMeta)
+        self.learner_probe = (int(meta["rollout_id"]), int(meta["version"]), msg.arrays[0])
 
-    def set_weights(self, msg: Message) -> Message | None:
+    def set_weights(self, msg: Message) -> Message:
+        """The answer to a lockstep pull (or a publish): load the weights, then act the pending rollout, if any."""
         if self.policy is None:
             raise PolicyError("SET_WEIGHTS before SET_POLICY: this worker holds no policy.")
-        self.policy.load(list(msg.arrays), msg.meta["version"])
-        if msg.meta.get("prefetch"):  # an answer to a pull sent without waiting: the next step acts with it
-            self.pull_outstanding = False
-            return None
+        self.policy.load(list(msg.arrays), meta_of(msg, WeightsMeta)["version"])
         request, self.pending = self.pending, None
         return Message(Kind.VALUE) if request is None else self._act(request)[0]
+
+    def push_weights(self, msg: Message) -> None:
+        """The answer to a prefetching worker's pull, taken between two steps: the next step acts with it."""
+        if self.policy is None:
+            raise PolicyError("PUSH_WEIGHTS before SET_POLICY: this worker holds no policy.")
+        self.policy.load(list(msg.arrays), meta_of(msg, WeightsMeta)["version"])
+        self.pull_outstanding = False
 
     def _act(
         self, request: dict[str, Any], between_steps: Callable[[], None] | None = None
@@ -201,11 +221,10 @@ class _WorkerPolicy:
             current, out["rewards"][t], out["terminations"][t], out["truncations"][t], _ = envs.step(env_actions)
             info_logs.append(envs.info_log)
             envs.info_log = []
-        probe = min(int(request["probe_steps"]), steps)
-        self.probe_outputs = out["logits"][steps - probe :].reshape(probe * n, -1).copy()
+        self.probe_outputs = probe_rows([out["logits"]], int(request["probe_steps"]))[0]
         next_obs = [np.array(current)] if single else [np.array(leaf) for leaf in leaf_arrays(space, current)]
         blobs = [cloudpickle.dumps(info_logs) if any(info_logs) else b""]
-        meta = {"version": policy.version, "kl": request["kl"], "restarted": restarted}
+        meta = RolloutResultMeta(version=policy.version, kl=request["kl"], restarted=restarted)
         return Message(Kind.ROLLOUT_RESULT, meta, rollout_frames(obs, out, next_obs), blobs), obs
 
 
@@ -214,6 +233,8 @@ def install(worker: Worker) -> None:
     state = _WorkerPolicy(worker)
     worker.handlers[Kind.SET_POLICY] = state.set_policy
     worker.handlers[Kind.SET_WEIGHTS] = state.set_weights
+    worker.handlers[Kind.PUSH_WEIGHTS] = state.push_weights
     worker.handlers[Kind.ROLLOUT] = state.rollout
+    worker.handlers[Kind.ROLLOUT_AHEAD] = state.rollout_ahead
     worker.handlers[Kind.PROBE] = state.probe
-    worker.urgent.update({Kind.PROBE, Kind.SET_WEIGHTS})
+    worker.urgent.update({Kind.PROBE, Kind.PUSH_WEIGHTS})

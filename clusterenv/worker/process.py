@@ -13,32 +13,26 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import pickle
 import signal
 import socket as pysocket
 import sys
 import time
-from collections import deque
-from collections.abc import Callable
-from typing import Any
 
-import cloudpickle
-import numpy as np
 import zmq
-from gymnasium.vector import AutoresetMode
 
-from clusterenv.wire.leaves import batch_of_items, is_array_tree, leaf_arrays, unflatten
 from clusterenv.wire.liveness import LEARNER_LOST_EXIT_CODE, Heartbeat
+from clusterenv.wire.messages import HelloMeta, InitMeta, meta_of
 from clusterenv.wire.protocol import Kind, Message
 from clusterenv.wire.transport import SECRET_ENV_VAR, Channel, Curve, new_identity, resolve_secret
-from clusterenv.worker.env_processes import ENV_PROCESS_LOST_EXIT_CODE, ChildEnvError, EnvProcessLost, ProcVectorEnv
-from clusterenv.worker.failures import EnvFailure, EnvTracker, error_reply
+from clusterenv.worker.commands import Mailbox, Worker
+from clusterenv.worker.env_processes import ENV_PROCESS_LOST_EXIT_CODE, ChildEnvError, EnvProcessLost
+from clusterenv.worker.failures import EnvFailure, error_reply
 from clusterenv.worker.heartbeat import HeartbeatClient
 from clusterenv.worker.local_policy import RolloutAborted
 from clusterenv.worker.local_policy import install as install_policy_handlers
-from clusterenv.worker.recording_env import RecordingVectorEnv, build, dumps, install_registry
+from clusterenv.worker.recording_env import RecordingVectorEnv
 
-__all__ = ["Mailbox", "Worker", "main", "serve"]
+__all__ = ["main", "serve"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,178 +40,6 @@ logger = logging.getLogger(__name__)
 IDLE_CHECK_INTERVAL_S = 0.5
 # Lets the last reply (CLOSED) leave before the socket goes; bounded for a learner that is gone.
 _EXIT_LINGER_MS = 500
-
-
-class Mailbox:
-    """The worker's side of the channel, with a queue so that a long command can read what arrives meanwhile.
-
-    A prefetched rollout calls :meth:`poll` between steps: kinds in ``urgent`` (new
-    weights, the learner's probe outputs) are handled at once; a CLOSE jumps the queue
-    and sets ``closing``; anything else waits its turn.
-    """
-
-    def __init__(self, channel: Channel, worker: Worker) -> None:
-        self.channel, self.worker = channel, worker
-        self.queue: deque[Message] = deque()
-        self.closing = False
-        self.seq: Any = None  # of the command being handled: the learner matches replies by it
-
-    def take(self, timeout: float) -> Message | None:
-        """The next command: queued first, else from the socket within ``timeout`` seconds."""
-        if self.queue:
-            return self.queue.popleft()
-        received = self.channel.recv(timeout, routed=False)
-        return None if received is None else received[1]
-
-    def poll(self) -> None:
-        """Read what has arrived, without waiting."""
-        while (received := self.channel.recv(0, routed=False)) is not None:
-            msg = received[1]
-            if msg.kind is Kind.CLOSE:
-                self.closing = True
-                self.queue.appendleft(msg)
-            elif msg.kind in self.worker.urgent:
-                self.worker.handle(msg)
-            else:
-                self.queue.append(msg)
-
-    def send(self, reply: Message) -> None:
-        """Send a message of the worker's own (a weight pull) outside the command-reply pattern."""
-        self.channel.send(reply.kind, {**reply.meta, "seq": self.seq}, reply.arrays, reply.blobs)
-
-
-class Worker:
-    """Command handlers for one worker; each returns the reply to send (``None``: no reply)."""
-
-    def __init__(self, worker_id: int, procs: int | None = None) -> None:
-        self.worker_id = worker_id
-        self.procs = procs  # env processes asked for on the command line (else the learner's procs_per_worker)
-        self.env_offset = 0
-        self.envs: RecordingVectorEnv | ProcVectorEnv | None = None
-        self.array_obs = True
-        self.tracker = EnvTracker()  # which env the command being handled reached, should one raise
-        self.handlers: dict[Kind, Callable[[Message], Message | None]] = {
-            Kind.INIT: self.init,
-            Kind.RESET: self.reset,
-            Kind.STEP: self.step,
-            Kind.CALL: self.call,
-            Kind.SET_ATTR: self.set_attr,
-            Kind.SHARE_OBS: self.share_obs,
-        }
-        self.shared_obs = False  # observations are written into the learner's shared batch
-        self.never_reset = True  # a fresh (or replacement) worker's envs have no observation yet
-        self.urgent: set[Kind] = set()  # kinds a long command handles as soon as they arrive (Mailbox.poll)
-        self.mailbox: Mailbox
-
-    # -- lifecycle -------------------------------------------------------------------------
-    def init(self, msg: Message) -> Message:
-        """Build this worker's envs from the pickled factories and describe their spaces.
-
-        The first blob is the context the factories need: the learner's env registry, and
-        the single observation space when the learner was given one (``observation_mode``
-        as a ``(batch space, single space)`` tuple). The factories follow.
-        """
-        self.env_offset = int(msg.meta["env_offset"])
-        procs = self.procs if self.procs is not None else int(msg.meta.get("procs_per_worker", 1))
-        context = pickle.loads(msg.blobs[0])
-        install_registry(context["registry"])
-        mode = (
-            context["observation_space"] if msg.meta["observation_mode"] == "custom" else msg.meta["observation_mode"]
-        )
-        autoreset_mode, env_blobs = AutoresetMode(msg.meta["autoreset_mode"]), list(msg.blobs[1:])
-        if procs > 1:
-            self.envs = ProcVectorEnv(
-                env_blobs,
-                procs,
-                observation_mode=mode,
-                autoreset_mode=autoreset_mode,
-                env_offset=self.env_offset,
-                registry=context["registry"],
-            )
-        else:
-            self.envs = build(env_blobs, mode, autoreset_mode, self.tracker)
-        if msg.meta.get("replacement") and self.envs.autoreset_mode is AutoresetMode.NEXT_STEP:
-            # A replacement for a lost worker: its envs' episodes were cut short, so under
-            # NEXT_STEP their next step is the autoreset step (see docs/guides/fault-tolerance.md).
-            self.envs.mark_autoreset_pending()
-        self.array_obs = is_array_tree(self.envs.single_observation_space)
-        return Message(Kind.READY, blobs=[cloudpickle.dumps(self.envs.description())])
-
-    # -- stepping --------------------------------------------------------------------------
-    def _result(self, obs: Any, extra: list[np.ndarray]) -> Message:
-        assert self.envs is not None
-        log, self.envs.info_log = self.envs.info_log, []
-        framed = self.array_obs and not self.shared_obs
-        arrays = (leaf_arrays(self.envs.single_observation_space, obs) if framed else []) + extra
-        blobs = [b""] if not log else [dumps(log)]
-        if not self.array_obs:
-            blobs.append(dumps(self.envs.env_observations()))
-        return Message(Kind.RESULT, {}, arrays, blobs)
-
-    def reset(self, msg: Message) -> Message:
-        """Reset the envs (those in the mask, if any) with their seeds, and one options dict or one per env."""
-        assert self.envs is not None
-        options = pickle.loads(msg.blobs[0]) if msg.blobs else None
-        mask = msg.meta.get("mask")
-        if isinstance(options, list):
-            obs, _ = self.envs.reset_each(msg.meta["seeds"], options, mask)
-        else:
-            if mask is not None:
-                options = dict(options or {}, reset_mask=np.array(mask, dtype=np.bool_))
-            obs, _ = self.envs.reset(seed=msg.meta["seeds"], options=options)
-        self.never_reset = False
-        return self._result(obs, [])
-
-    def step(self, msg: Message) -> Message:
-        """Step every env with its slice of the actions: leaf arrays, or pickled per-env actions."""
-        assert self.envs is not None
-        if msg.blobs:  # actions without a fixed array form: each env gets the very object the learner was given
-            actions = batch_of_items(self.envs.action_space, pickle.loads(msg.blobs[0]))
-        else:
-            # Copies: env code may write into its action, and received frames are read-only.
-            actions = unflatten(self.envs.single_action_space, [a.copy() for a in msg.arrays])
-        obs, rewards, terminations, truncations, _ = self.envs.step(actions)
-        return self._result(obs, [rewards, terminations, truncations])
-
-    def share_obs(self, msg: Message) -> Message:
-        """Write observations into the learner's shared batch from now on, if it can be mapped here."""
-        assert self.envs is not None
-        if self.array_obs and int(msg.meta["stop"]) - int(msg.meta["start"]) == self.envs.num_envs:
-            self.shared_obs = self.envs.share_observations(msg.meta) or self.shared_obs
-        return Message(Kind.VALUE, {"attached": self.shared_obs})
-
-    # -- attributes ------------------------------------------------------------------------
-    def call(self, msg: Message) -> Message:
-        """Call (or read) an attribute of the envs in ``indices`` (all: ``None``), or apply a function to them."""
-        assert self.envs is not None
-        args, kwargs = pickle.loads(msg.blobs[0])
-        results = self.envs.call_at(msg.meta.get("indices"), msg.meta["name"], args, kwargs)
-        return Message(Kind.VALUE, blobs=[cloudpickle.dumps(results)])
-
-    def set_attr(self, msg: Message) -> Message:
-        """Set an attribute on the envs in ``indices`` (all: ``None``), one value each."""
-        assert self.envs is not None
-        self.envs.set_attr_at(msg.meta.get("indices"), msg.meta["name"], list(pickle.loads(msg.blobs[0])))
-        return Message(Kind.VALUE, blobs=[cloudpickle.dumps(None)])
-
-    def close(self) -> None:
-        """Close the envs."""
-        if self.envs is not None:
-            self.envs.close()
-
-    def terminate(self) -> None:
-        """End the env processes now, if any, without closing their envs (the learner is gone)."""
-        if isinstance(self.envs, ProcVectorEnv):
-            self.envs.terminate()
-
-    def handle(self, msg: Message) -> Message | None:
-        """Run the handler for ``msg`` and return the reply."""
-        handler = self.handlers.get(msg.kind)
-        if handler is None:
-            return error_reply(EnvFailure(None, "ProtocolError", f"Worker cannot handle {msg.kind.name}.", ""))
-        if msg.kind is not Kind.INIT and self.envs is None:
-            return error_reply(EnvFailure(None, "ProtocolError", f"{msg.kind.name} before INIT.", ""))
-        return handler(msg)
 
 
 def _close_quietly(worker: Worker) -> None:
@@ -273,7 +95,7 @@ def serve(
     heart: HeartbeatClient | None = None
     join_deadline = None if join_timeout is None else time.monotonic() + join_timeout
     try:
-        channel.send(Kind.HELLO, {"worker_id": worker_id, "pid": os.getpid(), "host": pysocket.gethostname()})
+        channel.send(Kind.HELLO, HelloMeta(worker_id=worker_id, pid=os.getpid(), host=pysocket.gethostname()))
         while True:
             msg = mailbox.take(IDLE_CHECK_INTERVAL_S)
             if heart is not None and heart.learner_lost.is_set():
@@ -289,14 +111,14 @@ def serve(
                     return LEARNER_LOST_EXIT_CODE
                 continue
             if msg.kind is Kind.INIT and heart is None:
-                worker.worker_id = int(msg.meta.get("worker_id", worker.worker_id))
-                if "heartbeat" in msg.meta:
-                    # Started before the envs are built: building them may take long.
-                    config = Heartbeat(**msg.meta["heartbeat"])
-                    endpoint, session = msg.meta["heartbeat_endpoint"], channel.heartbeat_session()
-                    heart = HeartbeatClient(
-                        context, address, endpoint, session, identity, config, parent_pid=parent_pid, curve=curve
-                    )
+                init = meta_of(msg, InitMeta)
+                worker.worker_id = init["worker_id"]
+                # Started before the envs are built: building them may take long.
+                config = Heartbeat(**init["heartbeat"])
+                endpoint, session = init["heartbeat_endpoint"], channel.heartbeat_session()
+                heart = HeartbeatClient(
+                    context, address, endpoint, session, identity, config, parent_pid=parent_pid, curve=curve
+                )
             if msg.kind is Kind.CLOSE:
                 worker.close()
                 channel.send(Kind.CLOSED)

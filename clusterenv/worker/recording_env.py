@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import cloudpickle
@@ -82,7 +82,7 @@ class RecordingVectorEnv(SyncVectorEnv):
             new[...] = old
         self._observations = view  # SyncVectorEnv's concatenate(..., out=) now fills it
 
-    def share_observations(self, meta: dict[str, Any]) -> bool:
+    def share_observations(self, meta: Mapping[str, Any]) -> bool:
         """Write observations into the shared batch that ``meta`` describes (``shared_obs``), if it maps here."""
         view = shared_memory.attach(meta, self.single_observation_space)
         if view is None:

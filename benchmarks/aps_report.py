@@ -1,0 +1,295 @@
+# The cross-task report of the APS sweeps: does one APS threshold transfer across tasks where no single
+# FixedInterval(n) does, where are the pulls spent, and what divergence does each strategy act with?
+#
+# Reads the JSON files that `benchmarks/aps_sweep.py` wrote (one per task, same strategies), writes
+# NAME.md (tables) and NAME_pareto.png (return against pulls, per task). The commands that produced the
+# sweeps are in each sweep's own report (benchmarks/results/<sweep>.md) and in docs/aps-evidence.md.
+#
+#   python benchmarks/aps_report.py     # the default task files below
+import json
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import tyro
+from aps_sweep import label  # noqa: I001 (the sibling script)
+
+
+@dataclass
+class Args:
+    sweeps: list[str] = field(
+        default_factory=lambda: [
+            "aps_cartpole",
+            "aps_acrobot",
+            "aps_lunarlander",
+            "aps_pendulum",
+            "aps_cartpole_constant_lr",
+        ]
+    )
+    """sweep names (NAME.json in results_dir), one task each"""
+    transfer: list[str] = field(
+        default_factory=lambda: ["aps_cartpole", "aps_acrobot", "aps_lunarlander", "aps_pendulum"]
+    )
+    """the sweeps the single-setting regret is computed over (one setting of learning-rate annealing)"""
+    results_dir: str = "benchmarks/results"
+    """where the sweeps' JSON files are, and where the report goes"""
+    name: str = "aps_report"
+    """file name stem of the outputs"""
+
+
+def load(results_dir, name):
+    with open(os.path.join(results_dir, f"{name}.json")) as f:
+        saved = json.load(f)
+    return saved["args"], saved["results"]
+
+
+def task_title(args, name):
+    anneal = "annealed" if args.get("anneal_lr", True) else "constant"
+    return f"{args['env_ids'][0]} (lr {anneal})" if "constant" in name else args["env_ids"][0]
+
+
+def finals(runs):
+    return np.array([np.nan if r["final_return"] is None else r["final_return"] for r in runs], dtype=float)
+
+
+def auc(run):
+    """Area under the learning curve: the mean of the rolling mean return over all updates."""
+    values = [p["mean_return"] for p in run["curve"] if p["mean_return"] is not None]
+    return float(np.mean(values)) if values else float("nan")
+
+
+def acting_kls(runs):
+    """KL(learner || acting copy) at each rollout start, per worker: 0 after a pull, else the measured KL."""
+    out = []
+    for r in runs:
+        out += [
+            0.0 if pulled else kl for kl, pulled in zip(r.get("start_kls", []), r.get("start_pulled", []), strict=True)
+        ]
+    return np.array(out, dtype=float)
+
+
+def measured_kls(runs):
+    return np.array([kl for r in runs for kl in r.get("start_kls", [])], dtype=float)
+
+
+def early_pull_share(runs):
+    """Share of a run's pulls made in the first half of its updates (a fixed schedule: 0.5)."""
+    shares = []
+    for r in runs:
+        pulls = [p["pulls"] for p in r["curve"]]
+        if pulls and pulls[-1]:
+            shares.append(pulls[len(pulls) // 2 - 1] / pulls[-1])
+    return float(np.mean(shares)) if shares else float("nan")
+
+
+def curve_mean(runs, key):
+    return float(np.mean([np.mean([p[key] for p in r["curve"]]) for r in runs]))
+
+
+def summarize(results, strategies):
+    rows = {}
+    for spec in strategies:
+        runs = [r for r in results if r["strategy"] == spec]
+        if not runs:
+            continue
+        values = finals(runs)
+        acting, measured = acting_kls(runs), measured_kls(runs)
+        rows[spec] = {
+            "seeds": len(runs),
+            "final": float(np.nanmean(values)),
+            "final_std": float(np.nanstd(values)),
+            "final_se": float(np.nanstd(values) / np.sqrt(max(1, np.sum(~np.isnan(values))))),
+            "auc": float(np.mean([auc(r) for r in runs])),
+            "pulls": float(np.mean([r["pulls_per_worker"] for r in runs])),
+            "weight_mb": float(np.mean([r["weight_bytes"] for r in runs]) / 1e6),
+            "kl_seeds": sum(1 for r in runs if "start_kls" in r),
+            "acting_mean": float(acting.mean()) if acting.size else float("nan"),
+            "acting_p95": float(np.percentile(acting, 95)) if acting.size else float("nan"),
+            "acting_max": float(acting.max()) if acting.size else float("nan"),
+            "measured_p95": float(np.percentile(measured, 95)) if measured.size else float("nan"),
+            "is_weight": curve_mean(runs, "is_weight") if all("is_weight" in r["curve"][0] for r in runs) else None,
+            "clipfrac": curve_mean(runs, "clipfrac"),
+            "early_pulls": early_pull_share(runs),
+        }
+    return rows
+
+
+def family(spec):
+    """``("fixed", n)`` for EveryUpdate and FixedInterval(n), ``("aps", threshold)`` for APS."""
+    name, _, value = spec.partition(":")
+    if name == "every":
+        return "fixed", 1
+    return name, float(value) if name == "aps" else int(value)
+
+
+def regret_table(tasks, strategies):
+    """Per strategy and task: (best mean final return on the task - its own) / (best - worst), 0 = the task's best."""
+    regret = {}
+    for task, rows in tasks.items():
+        means = {s: rows[s]["final"] for s in strategies if s in rows}
+        best, worst = max(means.values()), min(means.values())
+        for s, m in means.items():
+            regret.setdefault(s, {})[task] = (best - m) / (best - worst) if best > worst else 0.0
+    return regret
+
+
+def fmt(value, digits=1):
+    return "n/a" if value is None or (isinstance(value, float) and np.isnan(value)) else f"{value:.{digits}f}"
+
+
+def write(args, tasks, sweep_args, strategies):
+    lines = [
+        "# APS against fixed schedules, across tasks",
+        "",
+        "PPO with local policies in clusterenv workers (`benchmarks/aps_sweep.py`), one sweep per task, the same "
+        "strategies on each. Final return: mean episodic training return over the last 10% of steps, mean ± std "
+        "over seeds. AUC: the mean of the rolling 20-episode return over all updates. Pulls: weight pulls per worker. "
+        "KL at rollout starts: KL(learner ‖ acting copy) on the worker's probe states when each rollout starts, "
+        "per worker and rollout, after the pull decision (0 after a pull; `aps_sweep.py` records the KL measured "
+        "before the decision and whether the worker then pulled). IS weight: the mean decoupled-PPO importance "
+        "weight min(π_learner / π_acting, 1) (1: no correction). Early pulls: the share of a run's pulls made in "
+        "the first half of training (0.5 for a fixed schedule).",
+        "",
+        f"Produced by `python benchmarks/aps_report.py` from {', '.join(f'`{s}.json`' for s in args.sweeps)}.",
+        "",
+    ]
+    for name, rows in tasks.items():
+        a = sweep_args[name]
+        lines += [
+            f"## {task_title(a, name)}",
+            "",
+            f"{rows[next(iter(rows))]['seeds']} seeds × {a['total_timesteps']:,} steps, {a['num_envs']} envs on "
+            f"{a['num_workers']} workers, learning rate {a['learning_rate']}"
+            f"{' annealed' if a['anneal_lr'] else ' constant'}; the sweep's own report: `{name}.md`.",
+            "",
+            "| strategy | final return | AUC | pulls/worker | weight MB | KL at rollout starts: mean / p95 / max "
+            "| KL before the decision, p95 | IS weight | clip fraction | early pulls |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for spec, r in rows.items():
+            kl_note = "" if r["kl_seeds"] == r["seeds"] else f" ({r['kl_seeds']} seeds)"
+            lines.append(
+                f"| {label(spec)} | {fmt(r['final'])} ± {fmt(r['final_std'])} | {fmt(r['auc'])} | {fmt(r['pulls'])} "
+                f"| {fmt(r['weight_mb'], 2)} | {fmt(r['acting_mean'], 4)} / {fmt(r['acting_p95'], 4)} / "
+                f"{fmt(r['acting_max'], 3)}{kl_note} | {fmt(r['measured_p95'], 4)} | {fmt(r['is_weight'], 3)} "
+                f"| {fmt(r['clipfrac'], 3)} | {fmt(r['early_pulls'], 2)} |"
+            )
+        lines.append("")
+
+    transfer = {name: tasks[name] for name in args.transfer if name in tasks}
+    regret = regret_table(transfer, strategies)
+    titles = {name: task_title(sweep_args[name], name) for name in transfer}
+    lines += [
+        "## One setting for every task: regret",
+        "",
+        "Regret of a strategy on a task: (best mean final return on that task − its own) / (best − worst), over "
+        "the strategies above; 0 is the task's best strategy, 1 its worst. The best single setting of each family "
+        "is the one with the lowest worst-case regret over the tasks.",
+        "",
+        "| strategy | " + " | ".join(titles.values()) + " | mean | worst |",
+        "|---|" + "---|" * (len(titles) + 2),
+    ]
+    best = {}
+    for spec in strategies:
+        if spec not in regret or len(regret[spec]) < len(transfer):
+            continue
+        values = [regret[spec][t] for t in transfer]
+        lines.append(
+            f"| {label(spec)} | "
+            + " | ".join(f"{v:.2f}" for v in values)
+            + f" | {np.mean(values):.2f} | {max(values):.2f} |"
+        )
+        fam = family(spec)[0]
+        if fam not in best or max(values) < best[fam][1]:
+            best[fam] = (spec, max(values))
+    lines += [""]
+    for fam, (spec, worst) in sorted(best.items()):
+        lines.append(
+            f"- Best single {'APS threshold' if fam == 'aps' else 'fixed interval'}: {label(spec)}, worst-case regret {worst:.2f}."
+        )
+    lines.append("")
+    if "aps" in best and "fixed" in best:
+        a_spec, f_spec = best["aps"][0], best["fixed"][0]
+        lines += [
+            f"Per task, {label(a_spec)} against {label(f_spec)} and against the task's own best fixed interval:",
+            "",
+            "| task | "
+            + f"{label(a_spec)}: return, pulls | {label(f_spec)}: return, pulls | best fixed n*: return, pulls |",
+            "|---|---|---|---|",
+        ]
+        for name in transfer:
+            rows = tasks[name]
+            fixed = [s for s in rows if family(s)[0] == "fixed"]
+            star = max(fixed, key=lambda s: rows[s]["final"])
+            cells = [
+                f"{fmt(rows[s]['final'])} ± {fmt(rows[s]['final_se'])} (se), {fmt(rows[s]['pulls'])}"
+                for s in (a_spec, f_spec, star)
+            ]
+            lines.append(f"| {titles[name]} | {cells[0]} | {cells[1]} | {label(star)}: {cells[2]} |")
+        lines.append("")
+    path = os.path.join(args.results_dir, f"{args.name}.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    return path
+
+
+def plot(args, tasks, sweep_args):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.2 * len(tasks), 4.4), squeeze=False)
+    for ax, (name, rows) in zip(axes[0], tasks.items(), strict=True):
+        for fam, marker, color in (("fixed", "s", "tab:blue"), ("aps", "o", "tab:red")):
+            specs = [s for s in rows if family(s)[0] == fam]
+            xs = [rows[s]["pulls"] for s in specs]
+            ys = [rows[s]["final"] for s in specs]
+            es = [rows[s]["final_se"] for s in specs]
+            ax.errorbar(
+                xs,
+                ys,
+                yerr=es,
+                fmt=marker,
+                color=color,
+                capsize=3,
+                label="FixedInterval / EveryUpdate" if fam == "fixed" else "APS",
+            )
+            for s, x, y in zip(specs, xs, ys, strict=True):
+                ax.annotate(
+                    label(s).replace("FixedInterval", "n=").replace("(", "").replace(")", ""),
+                    (x, y),
+                    fontsize=7,
+                    xytext=(4, 3),
+                    textcoords="offset points",
+                )
+        ax.set_xscale("log")
+        ax.set_title(task_title(sweep_args[name], name), fontsize=10)
+        ax.set_xlabel("weight pulls per worker (log)")
+        ax.set_ylabel("final return (mean ± s.e. over seeds)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(args.results_dir, f"{args.name}_pareto.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main():
+    args = tyro.cli(Args)
+    tasks, sweep_args, strategies = {}, {}, []
+    for name in args.sweeps:
+        if not os.path.exists(os.path.join(args.results_dir, f"{name}.json")):
+            print(f"skipping {name}: no {name}.json")
+            continue
+        a, results = load(args.results_dir, name)
+        sweep_args[name] = a
+        for s in a["strategies"]:
+            if s not in strategies:
+                strategies.append(s)
+        tasks[name] = summarize(results, a["strategies"])
+    print("wrote", write(args, tasks, sweep_args, strategies), plot(args, tasks, sweep_args))
+
+
+if __name__ == "__main__":
+    main()

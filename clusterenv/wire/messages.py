@@ -1,0 +1,226 @@
+"""The meta of each message kind, declared once: what a sender must put in a header, and all it may.
+
+Every message's header carries a small map (``meta``) beside its array frames and blobs.
+Each :class:`~clusterenv.wire.protocol.Kind` has one ``TypedDict`` here; senders build the
+map through it (a type checker then checks the keys), receivers read it through
+:func:`meta_of`, and the decoder refuses a header whose keys do not match its kind's
+declaration (:func:`check_meta`), before any handler sees it.
+
+``seq`` may be in any message: the learner numbers each call and workers echo the number,
+so that a reply to an abandoned call is told apart.
+"""
+
+from collections.abc import Mapping
+from typing import Any, NotRequired, TypedDict, TypeVar, cast
+
+from clusterenv.errors import ProtocolError
+from clusterenv.wire.protocol import Kind, Message
+
+__all__ = [
+    "CallMeta",
+    "Empty",
+    "EnvsMeta",
+    "ErrorMeta",
+    "HelloMeta",
+    "InitMeta",
+    "ProbeMeta",
+    "ResetMeta",
+    "RolloutAheadMeta",
+    "RolloutMeta",
+    "RolloutResultMeta",
+    "SetPolicyMeta",
+    "ShareObsMeta",
+    "ValueMeta",
+    "WeightsMeta",
+    "WeightsRequestMeta",
+    "WelcomeMeta",
+    "check_meta",
+    "meta_of",
+]
+
+
+class Empty(TypedDict):
+    """No meta but the call number."""
+
+    seq: NotRequired[int | None]
+
+
+# -- learner → worker --------------------------------------------------------------------------
+class EnvsMeta(TypedDict):
+    """The envs' part of INIT, as the VectorEnv gives it (the pool adds the rest)."""
+
+    env_offset: int  # global index of the worker's first env
+    autoreset_mode: str
+    observation_mode: str  # "same", "different", or "custom" (the space is in the context blob)
+    procs_per_worker: int
+
+
+class InitMeta(Empty, EnvsMeta):
+    """INIT: build the envs from the factories in the blobs (the first blob is their context)."""
+
+    worker_id: int
+    heartbeat: dict[str, Any]  # a Heartbeat, as a map
+    heartbeat_endpoint: str
+    replacement: bool  # a replacement for a lost worker: its envs' episodes were cut short
+
+
+class ResetMeta(Empty):
+    """RESET: seeds per env (``None``: unseeded); a blob holds the options, per env or shared."""
+
+    seeds: list[int | None] | None
+    mask: list[bool] | None
+
+
+class CallMeta(Empty):
+    """CALL and SET_ATTR: the attribute (``None``: apply the function in the blob) on the envs ``indices``."""
+
+    name: str | None
+    indices: list[int] | None
+
+
+class ShareObsMeta(Empty):
+    """SHARE_OBS: the learner's shared observation batch, for a worker on its host to map."""
+
+    path: str
+    token: str  # hex: the file's first bytes, proving it is this learner's batch
+    size: int
+    leaves: list[list[Any]]  # [offset, dtype, shape] per observation leaf
+    start: int  # the worker's slice of the batch
+    stop: int
+
+
+class SetPolicyMeta(Empty):
+    """SET_POLICY: the architecture and strategy in the blobs, the weights as arrays named ``names``."""
+
+    names: list[str]
+    version: int
+    seed: int | None
+
+
+class WeightsMeta(Empty):
+    """SET_WEIGHTS (the answer to a pull; the worker then acts) and PUSH_WEIGHTS (a prefetching worker's pull)."""
+
+    version: int
+
+
+class RolloutMeta(Empty):
+    """ROLLOUT: act ``num_steps`` steps with the local policy (learner outputs on the probe states in an array)."""
+
+    num_steps: int
+    learner_version: int
+    head: dict[str, Any]
+    probe_steps: int
+
+
+class RolloutAheadMeta(RolloutMeta):
+    """ROLLOUT_AHEAD: a rollout queued ahead by a prefetching runner, answered whenever it is done."""
+
+    rollout_id: int
+    keep_probes: int  # how many rollouts' probe states the worker keeps for later PROBEs
+
+
+class ProbeMeta(Empty):
+    """PROBE: the learner's outputs (an array) on the probe states of rollout ``rollout_id``."""
+
+    rollout_id: int
+    version: int
+
+
+class WelcomeMeta(Empty):
+    """WELCOME: the learner's answer to a HELLO, echoing its nonce."""
+
+    nonce: bytes
+    echo: bytes
+
+
+# -- worker → learner --------------------------------------------------------------------------
+class HelloMeta(Empty):
+    """HELLO: a worker asks to join (``worker_id``: the id it asks for, ``None``: any)."""
+
+    worker_id: int | None
+    pid: int
+    host: str
+    nonce: NotRequired[bytes]  # added by the channel, which checks it
+
+
+class ValueMeta(Empty):
+    """VALUE: a command's result (pickled in a blob, if any); ``attached`` answers SHARE_OBS."""
+
+    attached: NotRequired[bool]
+
+
+class ErrorMeta(Empty):
+    """ERROR: env code raised (the pickled exception in a blob, when it pickles)."""
+
+    env_index: int | None
+    exc_type: str
+    message: str
+    traceback: str
+
+
+class RolloutResultMeta(Empty):
+    """ROLLOUT_RESULT: the transitions are the arrays; infos in a blob."""
+
+    version: int  # the policy version that acted last
+    kl: float | None  # the KL measured at the rollout's start
+    restarted: bool  # the envs are a replacement's: their episodes started anew
+    rollout_id: NotRequired[int]  # for ROLLOUT_AHEAD
+
+
+class WeightsRequestMeta(Empty):
+    """WEIGHTS_REQUEST: a worker's pull."""
+
+    kl: float | None
+    version: int
+
+
+_META: dict[Kind, type] = {
+    Kind.INIT: InitMeta,
+    Kind.RESET: ResetMeta,
+    Kind.STEP: Empty,
+    Kind.CALL: CallMeta,
+    Kind.SET_ATTR: CallMeta,
+    Kind.CLOSE: Empty,
+    Kind.SET_POLICY: SetPolicyMeta,
+    Kind.SET_WEIGHTS: WeightsMeta,
+    Kind.PUSH_WEIGHTS: WeightsMeta,
+    Kind.ROLLOUT: RolloutMeta,
+    Kind.ROLLOUT_AHEAD: RolloutAheadMeta,
+    Kind.SHARE_OBS: ShareObsMeta,
+    Kind.PROBE: ProbeMeta,
+    Kind.WELCOME: WelcomeMeta,
+    Kind.HELLO: HelloMeta,
+    Kind.READY: Empty,
+    Kind.RESULT: Empty,
+    Kind.VALUE: ValueMeta,
+    Kind.ERROR: ErrorMeta,
+    Kind.CLOSED: Empty,
+    Kind.ROLLOUT_RESULT: RolloutResultMeta,
+    Kind.HEARTBEAT: Empty,
+    Kind.WEIGHTS_REQUEST: WeightsRequestMeta,
+    Kind.JOIN: Empty,
+}
+_KEYS = {kind: (frozenset(d.__required_keys__), frozenset(d.__optional_keys__)) for kind, d in _META.items()}  # type: ignore[attr-defined]
+
+MetaT = TypeVar("MetaT")
+
+
+def check_meta(kind: Kind, meta: Mapping[str, Any]) -> None:
+    """Raise ``ProtocolError`` unless ``meta`` has every key ``kind`` requires and no key it does not declare."""
+    required, optional = _KEYS[kind]
+    keys = meta.keys()
+    if required <= keys and keys <= required | optional:
+        return
+    missing, unknown = sorted(required - keys), sorted(keys - required - optional)
+    raise ProtocolError(
+        f"A {kind.name} message must have meta keys {sorted(required)} (and may have {sorted(optional)}); "
+        f"missing {missing}, unknown {unknown}."
+    )
+
+
+def meta_of(msg: Message, declaration: type[MetaT]) -> MetaT:
+    """``msg.meta`` as its kind's declaration, or a part of it (the decoder checked its keys)."""
+    required, optional = _KEYS[msg.kind]
+    if not declaration.__required_keys__ <= required or not declaration.__optional_keys__ <= optional | required:  # type: ignore[attr-defined]
+        raise ProtocolError(f"A {msg.kind.name} message does not carry {declaration.__name__}.")
+    return cast(MetaT, msg.meta)

@@ -1,0 +1,203 @@
+"""A worker's command handlers: the ``Worker`` (its envs and the handler per message kind) and its ``Mailbox``.
+
+The process around them (joining, the receive loop, the heartbeat) is
+:mod:`clusterenv.worker.process`; the local-policy commands add their handlers from
+:mod:`clusterenv.worker.local_policy`.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import cloudpickle
+import numpy as np
+from gymnasium.vector import AutoresetMode
+
+from clusterenv.wire.leaves import batch_of_items, is_array_tree, leaf_arrays, unflatten
+from clusterenv.wire.messages import CallMeta, InitMeta, ResetMeta, ShareObsMeta, ValueMeta, meta_of
+from clusterenv.wire.protocol import Kind, Message
+from clusterenv.wire.transport import Channel
+from clusterenv.worker.env_processes import ProcVectorEnv
+from clusterenv.worker.failures import EnvFailure, EnvTracker, error_reply
+from clusterenv.worker.recording_env import RecordingVectorEnv, build, dumps, install_registry
+
+__all__ = ["Mailbox", "Worker"]
+
+
+class Mailbox:
+    """The worker's side of the channel, with a queue so that a long command can read what arrives meanwhile.
+
+    A prefetched rollout calls :meth:`poll` between steps: kinds in ``urgent`` (new
+    weights, the learner's probe outputs) are handled at once; a CLOSE jumps the queue
+    and sets ``closing``; anything else waits its turn.
+    """
+
+    def __init__(self, channel: Channel, worker: Worker) -> None:
+        self.channel, self.worker = channel, worker
+        self.queue: deque[Message] = deque()
+        self.closing = False
+        self.seq: Any = None  # of the command being handled: the learner matches replies by it
+
+    def take(self, timeout: float) -> Message | None:
+        """The next command: queued first, else from the socket within ``timeout`` seconds."""
+        if self.queue:
+            return self.queue.popleft()
+        received = self.channel.recv(timeout, routed=False)
+        return None if received is None else received[1]
+
+    def poll(self) -> None:
+        """Read what has arrived, without waiting."""
+        while (received := self.channel.recv(0, routed=False)) is not None:
+            msg = received[1]
+            if msg.kind is Kind.CLOSE:
+                self.closing = True
+                self.queue.appendleft(msg)
+            elif msg.kind in self.worker.urgent:
+                self.worker.handle(msg)
+            else:
+                self.queue.append(msg)
+
+    def send(self, reply: Message) -> None:
+        """Send a message of the worker's own (a weight pull) outside the command-reply pattern."""
+        self.channel.send(reply.kind, {**reply.meta, "seq": self.seq}, reply.arrays, reply.blobs)
+
+
+class Worker:
+    """Command handlers for one worker; each returns the reply to send (``None``: no reply)."""
+
+    def __init__(self, worker_id: int, procs: int | None = None) -> None:
+        self.worker_id = worker_id
+        self.procs = procs  # env processes asked for on the command line (else the learner's procs_per_worker)
+        self.env_offset = 0
+        self.envs: RecordingVectorEnv | ProcVectorEnv | None = None
+        self.array_obs = True
+        self.tracker = EnvTracker()  # which env the command being handled reached, should one raise
+        self.handlers: dict[Kind, Callable[[Message], Message | None]] = {
+            Kind.INIT: self.init,
+            Kind.RESET: self.reset,
+            Kind.STEP: self.step,
+            Kind.CALL: self.call,
+            Kind.SET_ATTR: self.set_attr,
+            Kind.SHARE_OBS: self.share_obs,
+        }
+        self.shared_obs = False  # observations are written into the learner's shared batch
+        self.never_reset = True  # a fresh (or replacement) worker's envs have no observation yet
+        self.urgent: set[Kind] = set()  # kinds a long command handles as soon as they arrive (Mailbox.poll)
+        self.mailbox: Mailbox
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def init(self, msg: Message) -> Message:
+        """Build this worker's envs from the pickled factories and describe their spaces.
+
+        The first blob is the context the factories need: the learner's env registry, and
+        the single observation space when the learner was given one (``observation_mode``
+        as a ``(batch space, single space)`` tuple). The factories follow.
+        """
+        meta = meta_of(msg, InitMeta)
+        self.env_offset = meta["env_offset"]
+        procs = self.procs if self.procs is not None else meta["procs_per_worker"]
+        context = pickle.loads(msg.blobs[0])
+        install_registry(context["registry"])
+        mode = context["observation_space"] if meta["observation_mode"] == "custom" else meta["observation_mode"]
+        autoreset_mode, env_blobs = AutoresetMode(meta["autoreset_mode"]), list(msg.blobs[1:])
+        if procs > 1:
+            self.envs = ProcVectorEnv(
+                env_blobs,
+                procs,
+                observation_mode=mode,
+                autoreset_mode=autoreset_mode,
+                env_offset=self.env_offset,
+                registry=context["registry"],
+            )
+        else:
+            self.envs = build(env_blobs, mode, autoreset_mode, self.tracker)
+        if meta["replacement"] and self.envs.autoreset_mode is AutoresetMode.NEXT_STEP:
+            # A replacement for a lost worker: its envs' episodes were cut short, so under
+            # NEXT_STEP their next step is the autoreset step (see docs/guides/fault-tolerance.md).
+            self.envs.mark_autoreset_pending()
+        self.array_obs = is_array_tree(self.envs.single_observation_space)
+        return Message(Kind.READY, blobs=[cloudpickle.dumps(self.envs.description())])
+
+    # -- stepping --------------------------------------------------------------------------
+    def _result(self, obs: Any, extra: list[np.ndarray]) -> Message:
+        assert self.envs is not None
+        log, self.envs.info_log = self.envs.info_log, []
+        framed = self.array_obs and not self.shared_obs
+        arrays = (leaf_arrays(self.envs.single_observation_space, obs) if framed else []) + extra
+        blobs = [b""] if not log else [dumps(log)]
+        if not self.array_obs:
+            blobs.append(dumps(self.envs.env_observations()))
+        return Message(Kind.RESULT, {}, arrays, blobs)
+
+    def reset(self, msg: Message) -> Message:
+        """Reset the envs (those in the mask, if any) with their seeds, and one options dict or one per env."""
+        assert self.envs is not None
+        meta = meta_of(msg, ResetMeta)
+        options = pickle.loads(msg.blobs[0]) if msg.blobs else None
+        mask = meta["mask"]
+        if isinstance(options, list):
+            obs, _ = self.envs.reset_each(meta["seeds"] or [None] * self.envs.num_envs, options, mask)
+        else:
+            if mask is not None:
+                options = dict(options or {}, reset_mask=np.array(mask, dtype=np.bool_))
+            obs, _ = self.envs.reset(seed=meta["seeds"], options=options)
+        self.never_reset = False
+        return self._result(obs, [])
+
+    def step(self, msg: Message) -> Message:
+        """Step every env with its slice of the actions: leaf arrays, or pickled per-env actions."""
+        assert self.envs is not None
+        if msg.blobs:  # actions without a fixed array form: each env gets the very object the learner was given
+            actions = batch_of_items(self.envs.action_space, pickle.loads(msg.blobs[0]))
+        else:
+            # Copies: env code may write into its action, and received frames are read-only.
+            actions = unflatten(self.envs.single_action_space, [a.copy() for a in msg.arrays])
+        obs, rewards, terminations, truncations, _ = self.envs.step(actions)
+        return self._result(obs, [rewards, terminations, truncations])
+
+    def share_obs(self, msg: Message) -> Message:
+        """Write observations into the learner's shared batch from now on, if it can be mapped here."""
+        assert self.envs is not None
+        meta = meta_of(msg, ShareObsMeta)
+        if self.array_obs and meta["stop"] - meta["start"] == self.envs.num_envs:
+            self.shared_obs = self.envs.share_observations(meta) or self.shared_obs
+        return Message(Kind.VALUE, ValueMeta(attached=self.shared_obs))
+
+    # -- attributes ------------------------------------------------------------------------
+    def call(self, msg: Message) -> Message:
+        """Call (or read) an attribute of the envs in ``indices`` (all: ``None``), or apply a function to them."""
+        assert self.envs is not None
+        args, kwargs = pickle.loads(msg.blobs[0])
+        meta = meta_of(msg, CallMeta)
+        results = self.envs.call_at(meta["indices"], meta["name"], args, kwargs)
+        return Message(Kind.VALUE, blobs=[cloudpickle.dumps(results)])
+
+    def set_attr(self, msg: Message) -> Message:
+        """Set an attribute on the envs in ``indices`` (all: ``None``), one value each."""
+        assert self.envs is not None
+        meta = meta_of(msg, CallMeta)
+        assert meta["name"] is not None
+        self.envs.set_attr_at(meta["indices"], meta["name"], list(pickle.loads(msg.blobs[0])))
+        return Message(Kind.VALUE, blobs=[cloudpickle.dumps(None)])
+
+    def close(self) -> None:
+        """Close the envs."""
+        if self.envs is not None:
+            self.envs.close()
+
+    def terminate(self) -> None:
+        """End the env processes now, if any, without closing their envs (the learner is gone)."""
+        if isinstance(self.envs, ProcVectorEnv):
+            self.envs.terminate()
+
+    def handle(self, msg: Message) -> Message | None:
+        """Run the handler for ``msg`` and return the reply."""
+        handler = self.handlers.get(msg.kind)
+        if handler is None:
+            return error_reply(EnvFailure(None, "ProtocolError", f"Worker cannot handle {msg.kind.name}.", ""))
+        if msg.kind is not Kind.INIT and self.envs is None:
+            return error_reply(EnvFailure(None, "ProtocolError", f"{msg.kind.name} before INIT.", ""))
+        return handler(msg)
