@@ -11,9 +11,10 @@ from contextlib import closing
 import gymnasium as gym
 import numpy as np
 import pytest
+import torch.nn as nn
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
-from clusterenv import ClusterEnv, WorkerLostError
+from clusterenv import ClusterEnv, PolicyRunner, WorkerLostError
 from clusterenv.wire.liveness import Heartbeat
 from tests.conftest import assert_same, child_pids, pid_alive, wait_until
 
@@ -158,3 +159,27 @@ def test_a_worker_that_dies_building_its_envs_is_not_restarted_in_a_loop(caplog)
     with pytest.raises(WorkerLostError, match=r"envs 0\.\.0, exited with code 3 while building envs\.$"):
         ClusterEnv([_exit_while_building, ENV_FNS[0]], num_workers=2, on_worker_failure="restart")
     assert "replacing it" not in caplog.text
+
+
+class ExitsOnArrival(nn.Module):
+    """A policy whose unpickling in a worker ends the worker: it dies installing it (the learner copies it safely)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.linear(x)
+
+    def __setstate__(self, state):
+        if os.getpid() != int(os.environ["EXITS_ON_ARRIVAL_SPARES"]):
+            os._exit(3)
+        super().__setstate__(state)
+
+
+def test_a_worker_lost_while_installing_a_policy_is_not_replaced(monkeypatch):
+    # Installing a policy is declared unrecoverable: the replacement would die the same way.
+    monkeypatch.setenv("EXITS_ON_ARRIVAL_SPARES", str(os.getpid()))
+    envs = ClusterEnv(ENV_FNS, num_workers=2, on_worker_failure="restart")
+    with closing(envs), pytest.raises(WorkerLostError, match="SET_POLICY cannot be recovered on a replacement worker"):
+        PolicyRunner(envs, ExitsOnArrival(), seed=0)

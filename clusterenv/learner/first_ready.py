@@ -18,7 +18,7 @@ from clusterenv.learner.pool import OnLoss, WorkerPool
 from clusterenv.learner.step_buffers import BatchBuffers, restarted_records
 from clusterenv.wire.leaves import replay_infos
 from clusterenv.wire.messages import ResetMeta
-from clusterenv.wire.protocol import STEP_FIELDS, Kind, Message
+from clusterenv.wire.protocol import STEP_FIELDS, Kind, Message, step_fields
 
 __all__ = ["FirstReady", "Ready"]
 
@@ -120,7 +120,7 @@ class FirstReady:
             rows = slice(offset, offset + sl.stop - sl.start)
             buffers.write_observations(sl, msg, n_extra=len(STEP_FIELDS) if what == "step" else 0)
             if what == "step":
-                rewards[rows], terminations[rows], truncations[rows] = msg.arrays[-len(STEP_FIELDS) :]
+                rewards[rows], terminations[rows], truncations[rows] = step_fields(msg)
             records = buffers.loads(msg.blobs[0]) if msg.blobs[0] else []
             if what == "restarted":  # a replacement's fresh envs: the cut episodes end here
                 truncations[rows] = True

@@ -23,7 +23,7 @@ from clusterenv.learner.pool import OnLoss, WorkerPool
 from clusterenv.wire import shared_memory
 from clusterenv.wire.leaves import InfoRecord, is_array_tree, leaf_arrays, replay_infos, unflatten
 from clusterenv.wire.messages import ValueMeta, meta_of
-from clusterenv.wire.protocol import STEP_FIELDS, Kind, Message
+from clusterenv.wire.protocol import STEP_FIELDS, Kind, Message, step_fields
 
 __all__ = ["WORKER_RESTARTED_KEY", "BatchBuffers", "restarted_records", "share_with_local_workers"]
 
@@ -84,7 +84,7 @@ class BatchBuffers:
         for sl, msg in replies:
             self.write_observations(sl, msg, len(STEP_FIELDS) if step else 0)
             if step:
-                self.rewards[sl], self.terminations[sl], self.truncations[sl] = msg.arrays[-len(STEP_FIELDS) :]
+                self.rewards[sl], self.terminations[sl], self.truncations[sl] = step_fields(msg)
             if msg.blobs[0]:
                 infos = replay_infos(infos, self.loads(msg.blobs[0]), self.num_envs, sl.start)
         self.finish()

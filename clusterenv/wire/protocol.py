@@ -65,6 +65,7 @@ __all__ = [
     "session_pair",
     "split",
     "split_rollout_frames",
+    "step_fields",
     "trailer",
     "verify",
 ]
@@ -141,6 +142,11 @@ ROLLOUT_FIELDS = (
     "autoreset",
     "policy_versions",
 )
+
+
+def step_fields(msg: Message) -> list[np.ndarray]:
+    """The :data:`STEP_FIELDS` arrays of a STEP's RESULT (after the observation leaves), in that order."""
+    return list(msg.arrays[len(msg.arrays) - len(STEP_FIELDS) :])
 
 
 def rollout_frames(
