@@ -200,27 +200,31 @@ _META: dict[Kind, type] = {
     Kind.WEIGHTS_REQUEST: WeightsRequestMeta,
     Kind.JOIN: Empty,
 }
-_KEYS = {kind: (frozenset(d.__required_keys__), frozenset(d.__optional_keys__)) for kind, d in _META.items()}  # type: ignore[attr-defined]
+# Per kind: the keys it requires, and all it allows.
+_KEYS = {
+    kind: (frozenset(d.__required_keys__), frozenset(d.__required_keys__ | d.__optional_keys__))  # type: ignore[attr-defined]
+    for kind, d in _META.items()
+}
 
 MetaT = TypeVar("MetaT")
 
 
 def check_meta(kind: Kind, meta: Mapping[str, Any]) -> None:
     """Raise ``ProtocolError`` unless ``meta`` has every key ``kind`` requires and no key it does not declare."""
-    required, optional = _KEYS[kind]
+    required, allowed = _KEYS[kind]
     keys = meta.keys()
-    if required <= keys and keys <= required | optional:
+    if required <= keys <= allowed:
         return
-    missing, unknown = sorted(required - keys), sorted(keys - required - optional)
+    missing, unknown = sorted(required - keys), sorted(keys - allowed)
     raise ProtocolError(
-        f"A {kind.name} message must have meta keys {sorted(required)} (and may have {sorted(optional)}); "
+        f"A {kind.name} message must have meta keys {sorted(required)} (and may have {sorted(allowed - required)}); "
         f"missing {missing}, unknown {unknown}."
     )
 
 
 def meta_of(msg: Message, declaration: type[MetaT]) -> MetaT:
     """``msg.meta`` as its kind's declaration, or a part of it (the decoder checked its keys)."""
-    required, optional = _KEYS[msg.kind]
-    if not declaration.__required_keys__ <= required or not declaration.__optional_keys__ <= optional | required:  # type: ignore[attr-defined]
+    required, allowed = _KEYS[msg.kind]
+    if not declaration.__required_keys__ <= required or not declaration.__optional_keys__ <= allowed:  # type: ignore[attr-defined]
         raise ProtocolError(f"A {msg.kind.name} message does not carry {declaration.__name__}.")
     return cast(MetaT, msg.meta)
