@@ -1,11 +1,21 @@
 # The cross-task report of the APS sweeps: does one APS threshold transfer across tasks where no single
 # FixedInterval(n) does, where are the pulls spent, and what divergence does each strategy act with?
 #
-# Reads the JSON files that `benchmarks/aps_sweep.py` wrote (one per task, same strategies), writes
-# NAME.md (tables) and NAME_pareto.png (return against pulls, per task). The commands that produced the
-# sweeps are in each sweep's own report (benchmarks/results/<sweep>.md) and in docs/aps-evidence.md.
+# Reads the JSON files that `benchmarks/aps_sweep.py` wrote (one per task, the same strategies), writes
+# NAME.md (tables) and NAME_pareto.png (return against pulls, per task). The sweeps (about 2 h on 2 cores):
 #
-#   python benchmarks/aps_report.py     # the default task files below
+#   S="every fixed:2 fixed:4 fixed:8 aps:0.01 aps:0.05 aps:0.1"
+#   python benchmarks/aps_sweep.py --env-ids CartPole-v1 --strategies $S --seeds 1 2 3 4 5 6 7 8 --name aps_cartpole
+#   python benchmarks/aps_sweep.py --env-ids CartPole-v1 --strategies $S --seeds 1 2 3 4 5 6 7 8 --no-anneal-lr \
+#       --name aps_cartpole_constant_lr
+#   python benchmarks/aps_sweep.py --env-ids Acrobot-v1 --strategies $S --seeds 1 2 3 4 5 6 7 8 --name aps_acrobot
+#   python benchmarks/aps_sweep.py --env-ids LunarLander-v3 --strategies $S --seeds 1 2 3 4 5 6 7 8 \
+#       --total-timesteps 1000000 --num-envs 64 --num-workers 4 --num-minibatches 32 --gamma 0.999 --gae-lambda 0.98 \
+#       --solved-return 200 --name aps_lunarlander
+#   python benchmarks/aps_sweep.py --env-ids Pendulum-v1 --strategies $S --seeds 1 2 3 4 --total-timesteps 122880 \
+#       --num-envs 8 --num-steps 256 --gamma 0.9 --gae-lambda 0.95 --update-epochs 10 --num-minibatches 32 \
+#       --ent-coef 0.0 --name aps_pendulum
+#   python benchmarks/aps_report.py
 import json
 import os
 from dataclasses import dataclass, field

@@ -1,6 +1,8 @@
 # PPO (CleanRL's ppo.py, https://docs.cleanrl.dev/rl-algorithms/ppo/#ppopy) acting with local policy copies in
 # clusterenv workers, under several weight-sync strategies: EveryUpdate, FixedInterval(n) and APS(threshold).
-# The question (issue 3): does APS reach EveryUpdate's return with >= 5x fewer weight pulls?
+# Per run it records the return curve, the weight pulls, and the KL between the learner and each worker's copy
+# at every rollout start, with whether the worker then pulled; `--env-ids` with a Box action space trains
+# ppo_continuous.py's Gaussian actor instead of ppo.py's categorical one.
 #
 #   python benchmarks/aps_sweep.py                  # the main sweep: CartPole, 8 strategies x 8 seeds, ~13 min here
 #   python benchmarks/aps_sweep.py --ratio behaviour --name aps_sweep_behaviour \
@@ -8,6 +10,7 @@
 #   python benchmarks/aps_sweep.py --env-ids Acrobot-v1 --name aps_sweep_acrobot \
 #       --strategies every fixed:4 fixed:8 aps:0.01 aps:0.02 aps:0.05 --seeds 1 2 3 4   # ~7 min
 #   python benchmarks/aps_sweep.py --total-timesteps 8192 --seeds 1  # a smoke run
+#   (the cross-task sweeps, CartPole, Acrobot, LunarLander and Pendulum: see benchmarks/aps_report.py)
 #   python benchmarks/aps_sweep.py --plot-only                      # redraw table and plots from the JSON
 #
 # Differences from ppo.py, all forced by acting in the workers: the rollout comes from `PolicyRunner.rollout`,
