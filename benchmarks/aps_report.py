@@ -166,7 +166,7 @@ def write(args, tasks, sweep_args, strategies):
     for name, rows in tasks.items():
         a = sweep_args[name]
         lines += [
-            f"## {task_title(a, name)}",
+            f"### {task_title(a, name)}",
             "",
             f"{rows[next(iter(rows))]['seeds']} seeds × {a['total_timesteps']:,} steps, {a['num_envs']} envs on "
             f"{a['num_workers']} workers, learning rate {a['learning_rate']}"
@@ -190,7 +190,7 @@ def write(args, tasks, sweep_args, strategies):
     regret = regret_table(transfer, strategies)
     titles = {name: task_title(sweep_args[name], name) for name in transfer}
     lines += [
-        "## One setting for every task: regret",
+        "### One setting for every task: regret",
         "",
         "Regret of a strategy on a task: (best mean final return on that task − its own) / (best − worst), over "
         "the strategies above; 0 is the task's best strategy, 1 its worst. The best single setting of each family "

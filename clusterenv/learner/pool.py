@@ -58,6 +58,8 @@ logger = logging.getLogger(__name__)
 LIVENESS_POLL_S = 0.05
 # HELLOs kept while busy, for external replacement workers; the peers are authenticated, the bound is a safeguard.
 _MAX_EARLY_HELLOS = 64
+# How long a worker whose connection dropped may take to report its exit status (it lingers up to 0.5 s).
+_EXIT_STATUS_WAIT_S = 1.0
 # Lets a CLOSE queued for a connected worker leave before the socket goes; peers that are gone hold nothing up.
 _CLOSE_LINGER_MS = 500
 #: One worker's command: ``(meta, arrays, blobs)``.
@@ -462,6 +464,11 @@ class WorkerPool:
     # -- failures --------------------------------------------------------------------------
     def _lost(self, worker_id: int, doing: str) -> WorkerLostError:
         code = self.launcher.exit_code(worker_id)
+        # A worker that exits closes its connections first: give its exit status, the better cause, a moment.
+        deadline = time.monotonic() + _EXIT_STATUS_WAIT_S
+        while code is None and self._monitor.reason(worker_id) is not None and time.monotonic() < deadline:
+            time.sleep(0.02)
+            code = self.launcher.exit_code(worker_id)
         if code is not None:
             how = f"exited with code {code}"
         else:
