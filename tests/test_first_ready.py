@@ -189,3 +189,30 @@ def test_a_worker_lost_in_flight_is_replaced_and_its_episodes_reported_cut():
         assert truncations.all() and (rewards == 0).all() and infos["worker_restarted"].all()
         rewards, truncations, infos = results[(0, 1)]
         assert not truncations.any() and (rewards == 1).all() and "worker_restarted" not in infos
+
+
+class SlowResetCartPole(gym.Wrapper):
+    """CartPole whose reset takes 0.5 s: long enough to lose its worker in the middle of one."""
+
+    def __init__(self) -> None:
+        super().__init__(gym.make("CartPole-v1"))
+
+    def reset(self, **kwargs):
+        time.sleep(0.5)
+        return self.env.reset(**kwargs)
+
+
+def test_a_worker_lost_during_async_reset_has_its_seeded_reset_replayed():
+    reference = SyncVectorEnv([lambda: gym.make("CartPole-v1")] * 4)
+    expected, _ = reference.reset(seed=3)
+    reference.close()
+    with ClusterEnv([SlowResetCartPole] * 4, num_workers=2, batch_size=2, on_worker_failure="restart") as envs:
+        envs.async_reset(seed=3)
+        os.kill(envs.worker_info[1]["pid"], signal.SIGKILL)
+        seen = []
+        for _ in range(2):
+            obs, _, _, truncations, infos, env_ids = envs.recv()
+            np.testing.assert_array_equal(obs, expected[env_ids])
+            assert not truncations.any() and "worker_restarted" not in infos
+            seen += env_ids.tolist()
+        assert sorted(seen) == [0, 1, 2, 3]

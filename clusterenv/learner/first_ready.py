@@ -131,8 +131,12 @@ class FirstReady:
         return buffers.rows(env_ids), rewards, terminations, truncations, infos, env_ids
 
     def reset_replacement(self, pool: WorkerPool, worker_id: int) -> None:
-        """A restart hook: a replacement for a worker lost mid-``send`` is reset, and recv() reports the cut episodes."""
-        if worker_id in self.in_flight:
+        """A restart hook: a replacement for a worker lost mid-``send`` is reset, and recv() reports the cut episodes.
+
+        A reset in flight needs nothing here: the pool replays it, and its seeds give the
+        replacement's envs the observations the lost worker's would have had.
+        """
+        if self.in_flight.get(worker_id) == "step":
             sl = self._slices[worker_id]
             meta = ResetMeta(seeds=[None] * (sl.stop - sl.start), mask=None)
             pool.send(worker_id, Kind.RESET, meta, on_loss=OnLoss.REPLAY)
