@@ -58,6 +58,8 @@ logger = logging.getLogger(__name__)
 LIVENESS_POLL_S = 0.05
 # HELLOs kept while busy, for external replacement workers; the peers are authenticated, the bound is a safeguard.
 _MAX_EARLY_HELLOS = 64
+# Messages dropped (strays, replies to earlier calls) in one receive step before the caller checks its deadline.
+_MAX_DROPS_PER_WAIT = 64
 # How long a worker whose connection dropped may take to report its exit status (it lingers up to 0.5 s).
 _EXIT_STATUS_WAIT_S = 1.0
 # Lets a CLOSE queued for a connected worker leave before the socket goes; peers that are gone hold nothing up.
@@ -434,22 +436,27 @@ class WorkerPool:
     def _next_reply(self, doing: str, wait: float, errors_close: bool = True) -> tuple[int, Message] | None:
         """The one receive step: the next reply to the current call, or ``None`` if ``wait`` s passed without one.
 
-        Drops replies to earlier calls and strays, keeps early HELLOs (replacements that
-        joined before their predecessor's loss was seen), raises a worker's ERROR.
+        Drops replies to earlier calls and strays (then takes only what has already arrived,
+        and at most ``_MAX_DROPS_PER_WAIT`` of them, so that a flood cannot postpone a
+        caller's deadline), keeps early HELLOs (replacements that joined before their
+        predecessor's loss was seen), and raises a worker's ERROR.
         """
-        received = self._channel.recv(wait, routed=True)
-        if received is None:
-            return None
-        sender, msg = received
-        worker_id = None if sender is None else self._peers.get(sender)
-        if worker_id is None and msg.kind is Kind.HELLO and len(self._early_hellos) < _MAX_EARLY_HELLOS:
-            self._early_hellos.append(received)
-            return None
-        if worker_id is None or msg.meta.get("seq") != self.seq:
-            return None  # a reply to a call that timed out earlier, or a stray peer
-        if msg.kind is Kind.ERROR:
-            raise self._remote_error(worker_id, msg, doing, close=errors_close)
-        return worker_id, msg
+        for _ in range(_MAX_DROPS_PER_WAIT):
+            received = self._channel.recv(wait, routed=True)
+            if received is None:
+                return None
+            wait = 0.0
+            sender, msg = received
+            worker_id = None if sender is None else self._peers.get(sender)
+            if worker_id is None and msg.kind is Kind.HELLO and len(self._early_hellos) < _MAX_EARLY_HELLOS:
+                self._early_hellos.append(received)
+                continue
+            if worker_id is None or msg.meta.get("seq") != self.seq:
+                continue  # a reply to a call that timed out earlier, or a stray peer
+            if msg.kind is Kind.ERROR:
+                raise self._remote_error(worker_id, msg, doing, close=errors_close)
+            return worker_id, msg
+        return None
 
     # -- restarts --------------------------------------------------------------------------
     def on_restart(self, hook: Callable[[int], None]) -> None:
