@@ -18,6 +18,7 @@
 #   python benchmarks/aps_report.py
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,7 +41,8 @@ class Args:
     transfer: list[str] = field(
         default_factory=lambda: ["aps_cartpole", "aps_acrobot", "aps_lunarlander", "aps_pendulum"]
     )
-    """the sweeps the single-setting regret is computed over (one setting of learning-rate annealing)"""
+    """the sweeps the single-setting regret is computed over (one setting of learning-rate annealing); a sweep
+    that has not run all its (strategy, seed) runs yet is left out of it"""
     results_dir: str = "benchmarks/results"
     """where the sweeps' JSON files are, and where the report goes"""
     name: str = "aps_report"
@@ -147,7 +149,11 @@ def fmt(value, digits=1):
     return "n/a" if value is None or (isinstance(value, float) and np.isnan(value)) else f"{value:.{digits}f}"
 
 
-def write(args, tasks, sweep_args, strategies):
+def command_line() -> str:
+    return " ".join(["python benchmarks/aps_report.py", *sys.argv[1:]])
+
+
+def write(args, tasks, sweep_args, strategies, missing):
     lines = [
         "# APS against fixed schedules, across tasks",
         "",
@@ -160,7 +166,7 @@ def write(args, tasks, sweep_args, strategies):
         "weight min(π_learner / π_acting, 1) (1: no correction). Early pulls: the share of a run's pulls made in "
         "the first half of training (0.5 for a fixed schedule).",
         "",
-        f"Produced by `python benchmarks/aps_report.py` from {', '.join(f'`{s}.json`' for s in args.sweeps)}.",
+        f"Produced by `{command_line()}` from {', '.join(f'`{s}.json`' for s in tasks)}.",
         "",
     ]
     for name, rows in tasks.items():
@@ -168,9 +174,10 @@ def write(args, tasks, sweep_args, strategies):
         lines += [
             f"### {task_title(a, name)}",
             "",
-            f"{rows[next(iter(rows))]['seeds']} seeds × {a['total_timesteps']:,} steps, {a['num_envs']} envs on "
+            f"{rows[next(iter(rows))]['seeds']} seed{'s' if rows[next(iter(rows))]['seeds'] != 1 else ''} × {a['total_timesteps']:,} steps, {a['num_envs']} envs on "
             f"{a['num_workers']} workers, learning rate {a['learning_rate']}"
-            f"{' annealed' if a['anneal_lr'] else ' constant'}; the sweep's own report: `{name}.md`.",
+            f"{' annealed' if a['anneal_lr'] else ' constant'}; the sweep's own report: `{name}.md`."
+            + (f" **Incomplete: {missing[name]} of its runs have not run yet.**" if missing[name] else ""),
             "",
             "| strategy | final return | AUC | pulls/worker | weight MB | KL at rollout starts: mean / p95 / max "
             "| KL before the decision, p95 | IS weight | clip fraction | early pulls |",
@@ -186,7 +193,7 @@ def write(args, tasks, sweep_args, strategies):
             )
         lines.append("")
 
-    transfer = {name: tasks[name] for name in args.transfer if name in tasks}
+    transfer = {name: tasks[name] for name in args.transfer if name in tasks and not missing[name]}
     regret = regret_table(transfer, strategies)
     titles = {name: task_title(sweep_args[name], name) for name in transfer}
     lines += [
@@ -287,7 +294,7 @@ def plot(args, tasks, sweep_args):
 
 def main():
     args = tyro.cli(Args)
-    tasks, sweep_args, strategies = {}, {}, []
+    tasks, sweep_args, strategies, missing = {}, {}, [], {}
     for name in args.sweeps:
         if not os.path.exists(os.path.join(args.results_dir, f"{name}.json")):
             print(f"skipping {name}: no {name}.json")
@@ -298,7 +305,9 @@ def main():
             if s not in strategies:
                 strategies.append(s)
         tasks[name] = summarize(results, a["strategies"])
-    print("wrote", write(args, tasks, sweep_args, strategies), plot(args, tasks, sweep_args))
+        done = {(r["strategy"], r["seed"]) for r in results}
+        missing[name] = sum((s, seed) not in done for s in a["strategies"] for seed in a["seeds"])
+    print("wrote", write(args, tasks, sweep_args, strategies, missing), plot(args, tasks, sweep_args))
 
 
 if __name__ == "__main__":
