@@ -11,7 +11,9 @@ so that a reply to an abandoned call is told apart.
 """
 
 from collections.abc import Mapping
-from typing import Any, NotRequired, TypedDict, TypeVar, cast
+from typing import Any, TypeVar, cast
+
+from typing_extensions import NotRequired, TypedDict
 
 from clusterenv.errors import ProtocolError
 from clusterenv.wire.protocol import Kind, Message
