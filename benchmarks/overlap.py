@@ -1,4 +1,4 @@
-"""How much prefetched rollouts overlap collection with learning (issue 9).
+"""How much prefetched rollouts overlap collection with learning.
 
 A rollout loop with a simulated learner update: after each ``runner.rollout(T)`` the
 learner "trains" for ``U`` seconds (``time.sleep``: a learner on a GPU, or on cores of
@@ -6,6 +6,8 @@ its own, takes no CPU from the workers). ``U`` is 0.5x, 1x and 2x the measured
 collection time ``C`` of one lockstep rollout. With ``prefetch=0`` the workers idle
 during ``U``, so an iteration costs ``C + U``; with ``prefetch=1`` they collect the next
 rollout meanwhile, so it costs ``max(C, U)`` plus overhead: at ``U = C`` the limit is 2x.
+With ``prefetch=2`` a second rollout is queued, so that a worker that finishes early does not
+wait through the learner's ``publish()`` and batch assembly (one more version of policy lag).
 
     python benchmarks/overlap.py             # the table, ~2 min on 2 cores
     python benchmarks/overlap.py --quick     # a smoke run
@@ -52,6 +54,8 @@ class Args:
     """runs per cell; the median is reported"""
     ratios: tuple[float, ...] = (0.5, 1.0, 2.0)
     """simulated update times U as multiples of the collection time C"""
+    prefetch: tuple[int, ...] = (0, 1, 2)
+    """prefetch depths compared (0: lockstep, the baseline of the speed-ups)"""
     torch_threads: int = 1
     """the learner's torch threads, as in the examples (its probe forward passes are tiny; more threads contend with the workers)"""
 
@@ -93,15 +97,20 @@ def main(args: Args) -> None:
     torch.set_num_threads(args.torch_threads)
     collect_s = statistics.median(collection_time(args) for _ in range(args.repeats))
     cells: dict[str, list[float]] = {}
-    jobs = [(ratio, prefetch) for _ in range(args.repeats) for ratio in args.ratios for prefetch in (0, 1)]
+    depths = sorted(set(args.prefetch) | {0})
+    jobs = [(ratio, prefetch) for _ in range(args.repeats) for ratio in args.ratios for prefetch in depths]
     for ratio, prefetch in tqdm(jobs, desc="overlap"):
         cells.setdefault(f"{ratio}:{prefetch}", []).append(run(args, prefetch, ratio * collect_s))
+    ahead = [depth for depth in depths if depth]
     rows = []
     for ratio in args.ratios:
         lockstep = statistics.median(cells[f"{ratio}:0"])
-        prefetched = statistics.median(cells[f"{ratio}:1"])
         ideal = (1 + ratio) / max(1.0, ratio)  # (C + U) / max(C, U)
-        rows.append((ratio, lockstep, prefetched, prefetched / lockstep, ideal))
+        cols = [f"{lockstep:,.0f}"]
+        for depth in ahead:
+            prefetched = statistics.median(cells[f"{ratio}:{depth}"])
+            cols.append(f"{prefetched:,.0f} ({prefetched / lockstep:.2f}x)")
+        rows.append(f"| {ratio} | {' | '.join(cols)} | {ideal:.2f}x |")
     command = " ".join(["python benchmarks/overlap.py", *sys.argv[1:]])
     lines = [
         f"`{command}` — CartPole-v1, {args.num_envs} envs, {args.num_workers} workers, 64x64 MLP actor, "
@@ -109,9 +118,11 @@ def main(args: Args) -> None:
         f"in the learner; median of {args.repeats} "
         f"(backends alternated); {os.cpu_count()} cores, Python {platform.python_version()}.",
         "",
-        "| U / C | prefetch=0 steps/s | prefetch=1 steps/s | speed-up | limit (C+U)/max(C,U) |",
-        "|---|---|---|---|---|",
-        *(f"| {r} | {a:,.0f} | {b:,.0f} | {b / a:.2f}x | {ideal:.2f}x |" for r, a, b, _, ideal in rows),
+        "| U / C | prefetch=0 steps/s | "
+        + " | ".join(f"prefetch={depth} steps/s (speed-up)" for depth in ahead)
+        + " | limit (C+U)/max(C,U) |",
+        "|---" * (len(ahead) + 3) + "|",
+        *rows,
     ]
     table = "\n".join(lines)
     print(table)

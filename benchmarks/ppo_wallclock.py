@@ -32,6 +32,7 @@ CONFIGS = {
     "gym": ["--backend", "gym"],
     "clusterenv --local-policy": ["--local-policy"],
     "clusterenv --local-policy --prefetch 1": ["--local-policy", "--prefetch", "1"],
+    "clusterenv --local-policy --prefetch 2": ["--local-policy", "--prefetch", "2"],
 }
 
 

@@ -279,6 +279,22 @@ class BoxInfoEnv(gym.Env):
         return obs, reward, terminated, self.t >= self.max_len, info
 
 
+class TypedInfoEnv(BoxInfoEnv):
+    """``BoxInfoEnv`` whose info ``"x"`` has the type given (``int``, ``float``, ``np.float32``...).
+
+    Envs of different types in one vector: the first env that reports a key decides its
+    dtype, and later envs' values are cast into it, across worker slices too.
+    """
+
+    def __init__(self, value_type: type = int) -> None:
+        super().__init__()
+        self.value_type = value_type
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = super().step(action)
+        return obs, reward, terminated, truncated, {**info, "x": self.value_type(self.t * 1.25)}
+
+
 class SlowCartPole(gym.Wrapper):
     """CartPole whose step sleeps ``delay`` seconds: a rollout that takes a while, without using CPU."""
 

@@ -11,7 +11,7 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 from clusterenv import ClusterEnv
 from tests.conftest import assert_same
-from tests.envs import RichSpacesEnv, TextObsEnv
+from tests.envs import RichSpacesEnv, TextObsEnv, TypedInfoEnv
 
 STEPS = 300  # every case crosses at least 10 episode ends (asserted below)
 
@@ -127,3 +127,20 @@ def test_copy_false_reuses_one_buffer_and_copy_true_does_not():
         kept = first.copy()
         envs.step(np.zeros(2, dtype=np.int64))
         np.testing.assert_array_equal(first, kept)
+
+
+# 8 envs, 4 per worker: enough for each worker to pack its slice's infos (see clusterenv.wire.infos).
+INFO_TYPES = {
+    "slices agree": [int] * 8,
+    "slices disagree": [int] * 4 + [float] * 4,  # both pack; the second does not fit the first
+    "a slice mixes types": [float, int, np.float32, int] + [float] * 4,  # the first travels as records
+}
+
+
+@pytest.mark.parametrize("types", INFO_TYPES.values(), ids=INFO_TYPES.keys())
+def test_infos_whose_types_differ_between_envs_batch_as_in_sync_vector_env(types):
+    env_fns = [functools.partial(TypedInfoEnv, value_type) for value_type in types]
+    reference = SyncVectorEnv(env_fns)
+    with ClusterEnv(env_fns, num_workers=2) as candidate:
+        run_lockstep(reference, candidate, steps=40, seed=5)
+    reference.close()

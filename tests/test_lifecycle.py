@@ -29,7 +29,7 @@ import pytest
 from gymnasium.error import ClosedEnvironmentError
 
 from clusterenv import ClusterEnv, ClusterEnvError, RemoteEnvError, WorkerLostError, WorkerTimeoutError
-from clusterenv.wire.cleanup import remove_stale_dirs, scratch_dir
+from clusterenv.wire.cleanup import remove_stale_dirs, scratch_dir, shared_memory_base
 from tests.conftest import child_pids, pid_alive, wait_until
 from tests.envs import FailingEnv, SlowEnv, StuckEnv
 
@@ -94,7 +94,7 @@ def test_worker_killed_while_learner_waits_raises_within_timeout():
 
 
 def test_learner_killed_with_sigkill_takes_its_workers_with_it(tmp_path):
-    """No worker outlives the learner: they notice the parent is gone and exit on their own."""
+    """No worker outlives the learner: they notice the parent is gone, remove its scratch directories, and exit."""
     script = textwrap.dedent(
         """
         import sys
@@ -122,11 +122,13 @@ def test_learner_killed_with_sigkill_takes_its_workers_with_it(tmp_path):
         workers = {int(pid) for pid in line.split()}
         assert len(workers) == 2, f"expected two worker pids, got {line!r}"
         assert all(pid_alive(pid) for pid in workers)
+        assert scratch_dirs_of(learner.pid), "the learner's ipc directories are named after its pid"
         learner.send_signal(signal.SIGKILL)
-        learner.wait(timeout=10)
         assert all_gone(workers, timeout=10), (
             f"workers {sorted(p for p in workers if pid_alive(p))} outlived the learner"
         )
+        assert not scratch_dirs_of(learner.pid), "the workers remove their dead learner's directories"
+        learner.wait(timeout=10)
     finally:
         learner.kill()
         learner.wait()
@@ -163,7 +165,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def scratch_dirs_of(pid: int) -> set[str]:
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), f"clusterenv-{pid}-*")))
+    """A learner's ipc directories, and its shared observation files (``/dev/shm``)."""
+    bases = {tempfile.gettempdir(), shared_memory_base() or tempfile.gettempdir()}
+    patterns = [f"clusterenv-{pid}-*", f"clusterenv-*-{pid}-*"]  # without and with a kind ("obs")
+    return {path for base in bases for pattern in patterns for path in glob.glob(os.path.join(base, pattern))}
 
 
 @pytest.mark.parametrize("launcher", ["local", "external"])
@@ -172,7 +177,7 @@ def test_learner_killed_mid_step_ends_its_worker_within_the_heartbeat_expiry(lau
     the processes its envs started are gone within about the heartbeat expiry (36 s before).
 
     A local worker sees its parent die; an external one (no parent to watch) sees the learner's end
-    of the heartbeat connection close. The learner's ipc directories go when the next learner starts.
+    of the heartbeat connection close. The worker removes the learner's ipc directories as it goes.
     """
     started = tmp_path / "stepping"
     bind = f"ipc://{tmp_path}/learner.sock" if launcher == "external" else ""
@@ -202,11 +207,7 @@ def test_learner_killed_mid_step_ends_its_worker_within_the_heartbeat_expiry(lau
         alive = sorted(pid for pid in survivors if pid_alive(pid))
         assert gone, f"processes {alive} (worker {pids['worker']}) outlived the learner by more than {bound} s"
         assert elapsed < bound
-        # A killed learner cleans nothing up itself (unless another learner on this host, e.g. a
-        # parallel test, already has): the next one to start removes its directories.
-
-        with ClusterEnv([CARTPOLE], num_workers=1):
-            assert not scratch_dirs_of(learner.pid), "the next learner removes a dead learner's directories"
+        assert not scratch_dirs_of(learner.pid), "the worker removes its dead learner's directories"
     finally:
         for pid in survivors:
             if pid_alive(pid):

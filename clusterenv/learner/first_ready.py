@@ -16,7 +16,7 @@ import numpy as np
 from clusterenv.errors import WorkerTimeoutError
 from clusterenv.learner.pool import OnLoss, WorkerPool
 from clusterenv.learner.step_buffers import BatchBuffers, restarted_records
-from clusterenv.wire.leaves import replay_infos
+from clusterenv.wire.infos import merge_infos, records_of
 from clusterenv.wire.messages import ResetMeta
 from clusterenv.wire.protocol import STEP_FIELDS, Kind, Message, step_fields
 
@@ -121,12 +121,12 @@ class FirstReady:
             buffers.write_observations(sl, msg, n_extra=len(STEP_FIELDS) if what == "step" else 0)
             if what == "step":
                 rewards[rows], terminations[rows], truncations[rows] = step_fields(msg)
-            records = buffers.loads(msg.blobs[0]) if msg.blobs[0] else []
+            payload = buffers.loads(msg.blobs[0]) if msg.blobs[0] else []
             if what == "restarted":  # a replacement's fresh envs: the cut episodes end here
                 truncations[rows] = True
-                records = restarted_records(rows.stop - rows.start, dict(records))
-            if records:
-                infos = replay_infos(infos, records, n, offset)
+                payload = restarted_records(rows.stop - rows.start, dict(records_of(payload)))
+            if payload:
+                infos = merge_infos(infos, payload, n, offset)
             offset = rows.stop
         return buffers.rows(env_ids), rewards, terminations, truncations, infos, env_ids
 

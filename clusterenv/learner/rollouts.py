@@ -42,7 +42,8 @@ from clusterenv.learner.step_buffers import restarted_records
 from clusterenv.learner.vector_env import ClusterEnv
 from clusterenv.policy.heads import Head, default_head
 from clusterenv.policy.strategies import EveryUpdate, SyncStrategy, Telemetry, WorkerTelemetry, probe_rows
-from clusterenv.wire.leaves import InfoRecord, leaf_specs, replay_infos, unflatten
+from clusterenv.wire.infos import InfoPayload, InfoRecord, merge_infos, replay_infos
+from clusterenv.wire.leaves import leaf_specs, unflatten
 from clusterenv.wire.messages import (
     ProbeMeta,
     RolloutAheadMeta,
@@ -561,7 +562,7 @@ class PolicyRunner:
         parts: dict[str, list[np.ndarray]] = {name: [] for name in ROLLOUT_FIELDS[1:]}
         obs_parts: list[list[np.ndarray]] = []  # per worker, its observation leaves
         next_parts: list[list[np.ndarray]] = []
-        logs: list[tuple[int, list[list[InfoRecord]]]] = []
+        logs: list[tuple[int, list[InfoPayload]]] = []
         restarted: list[InfoRecord] = []
         offset = 0
         for w, sl in zip(sorted(replies), slices, strict=True):
@@ -591,7 +592,7 @@ class PolicyRunner:
         for t in range(steps):
             info: dict[str, Any] = {}
             for start, worker_logs in logs:
-                info = replay_infos(info, worker_logs[t], num_envs, start)
+                info = merge_infos(info, worker_logs[t], num_envs, start)
             infos.append(info)
         if restarted:  # a replacement's envs started new episodes at step 0
             infos[0] = replay_infos(infos[0], restarted, num_envs, 0)

@@ -21,7 +21,8 @@ from gymnasium.vector.utils import concatenate, create_empty_array, iterate
 
 from clusterenv.learner.pool import OnLoss, WorkerPool
 from clusterenv.wire import shared_memory
-from clusterenv.wire.leaves import InfoRecord, is_array_tree, leaf_arrays, replay_infos, unflatten
+from clusterenv.wire.infos import InfoRecord, merge_infos, replay_infos
+from clusterenv.wire.leaves import is_array_tree, leaf_arrays, unflatten
 from clusterenv.wire.messages import ValueMeta, meta_of
 from clusterenv.wire.protocol import STEP_FIELDS, Kind, Message, step_fields
 
@@ -86,7 +87,7 @@ class BatchBuffers:
             if step:
                 self.rewards[sl], self.terminations[sl], self.truncations[sl] = step_fields(msg)
             if msg.blobs[0]:
-                infos = replay_infos(infos, self.loads(msg.blobs[0]), self.num_envs, sl.start)
+                infos = merge_infos(infos, self.loads(msg.blobs[0]), self.num_envs, sl.start)
         self.finish()
         return infos
 

@@ -7,9 +7,10 @@ No code of a process killed with ``SIGKILL`` runs, so others clean up what it ow
   own watchdog thread when its learner is gone, or the learner's launcher when a worker
   ignores ``CLOSE``. Found from ``/proc``, so on Linux only; elsewhere only the worker ends.
 * A learner's scratch directories (its ipc sockets, its shared observations file) carry
-  its pid in their name (:func:`scratch_dir`), and every new learner removes those whose
-  owner is gone (:func:`remove_stale_dirs`). A live learner removes its own on close, or
-  from a finalizer at interpreter exit.
+  its pid in their name (:func:`scratch_dir`). A worker that finds its learner gone removes
+  those whose owner is gone (:func:`remove_stale_dirs`) before it exits, and so does every
+  new learner (for a learner whose workers ran elsewhere). A live learner removes its own on
+  close, or from a finalizer at interpreter exit.
 """
 
 from __future__ import annotations
@@ -58,13 +59,18 @@ def scratch_dir(kind: str = "", base: str | None = None) -> str:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs: a zombie (killed, not yet reaped by its parent) does not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except OSError:
         return True  # another user's process: alive
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"  # the name before ")" may hold spaces
+    except (OSError, IndexError):
+        return True  # no /proc: as far as we can tell
 
 
 def remove_stale_dirs() -> list[str]:

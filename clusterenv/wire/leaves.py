@@ -8,27 +8,19 @@ are not array trees: their values are pickled instead.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 from gymnasium import spaces
-from gymnasium.vector import VectorEnv
 from gymnasium.vector.utils import iterate
 
 __all__ = [
-    "InfoRecord",
     "batch_of_items",
     "is_array_tree",
     "leaf_arrays",
     "leaf_specs",
-    "replay_infos",
     "unflatten",
 ]
-
-#: One env's info as a worker recorded it: ``(index within the worker's slice, info)``.
-InfoRecord = tuple[int, dict[str, Any]]
 
 _ARRAY_LEAVES = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
 
@@ -96,28 +88,3 @@ def batch_of_items(batch_space: spaces.Space, items: list[Any]) -> Any:
     if isinstance(batch_space, spaces.Tuple) and all(type(s) in iterate.registry for s in batch_space):
         return tuple(batch_of_items(s, [item[i] for item in items]) for i, s in enumerate(batch_space))
     return list(items)
-
-
-class _InfoBatcher(VectorEnv):
-    """Holds only ``num_envs``: all that Gymnasium's ``VectorEnv._add_info`` reads."""
-
-    def __init__(self, num_envs: int) -> None:
-        self.num_envs = num_envs
-
-
-@functools.lru_cache(maxsize=64)
-def _batcher(num_envs: int) -> _InfoBatcher:
-    return _InfoBatcher(num_envs)
-
-
-def replay_infos(infos: dict[str, Any], records: Iterable[InfoRecord], num_envs: int, offset: int) -> dict[str, Any]:
-    """Batch per-env info records into ``infos`` with Gymnasium's own ``VectorEnv._add_info``.
-
-    Workers record each env's info instead of batching it; replaying the records with
-    global indices (``offset + local index``), in env order, builds exactly the infos that
-    one ``SyncVectorEnv`` over all ``num_envs`` envs would have built.
-    """
-    batcher = _batcher(num_envs)
-    for local_index, env_info in records:
-        infos = batcher._add_info(infos, env_info, offset + local_index)
-    return infos

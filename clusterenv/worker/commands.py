@@ -16,6 +16,7 @@ import cloudpickle
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
+from clusterenv.wire.infos import pack_infos
 from clusterenv.wire.leaves import batch_of_items, is_array_tree, leaf_arrays, unflatten
 from clusterenv.wire.messages import CallMeta, InitMeta, ResetMeta, ShareObsMeta, ValueMeta, meta_of
 from clusterenv.wire.protocol import Kind, Message
@@ -127,7 +128,7 @@ class Worker:
         log, self.envs.info_log = self.envs.info_log, []
         framed = self.array_obs and not self.shared_obs
         arrays = (leaf_arrays(self.envs.single_observation_space, obs) if framed else []) + extra
-        blobs = [b""] if not log else [dumps(log)]
+        blobs = [b""] if not log else [dumps(pack_infos(log, self.envs.num_envs))]
         if not self.array_obs:
             blobs.append(dumps(self.envs.env_observations()))
         return Message(Kind.RESULT, {}, arrays, blobs)

@@ -60,7 +60,8 @@ from clusterenv.wire.contract import (
     split_evenly,
     values_by_part,
 )
-from clusterenv.wire.leaves import InfoRecord, is_array_tree, leaf_arrays
+from clusterenv.wire.infos import InfoRecord
+from clusterenv.wire.leaves import is_array_tree, leaf_arrays
 from clusterenv.wire.processes import child_environment
 from clusterenv.worker.failures import EnvFailure
 from clusterenv.worker.recording_env import dumps

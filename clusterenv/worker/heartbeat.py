@@ -15,7 +15,7 @@ import time
 
 import zmq
 
-from clusterenv.wire.cleanup import kill_descendants
+from clusterenv.wire.cleanup import kill_descendants, remove_stale_dirs
 from clusterenv.wire.liveness import (
     HEARTBEAT_MAX_BYTES,
     LEARNER_LOST_EXIT_CODE,
@@ -176,6 +176,7 @@ class HeartbeatClient:
         # processes they started would outlive the worker (re-parented): they are killed instead.
         # Sockets and mappings go with the process.
         kill_descendants(os.getpid())
+        remove_stale_dirs()  # the learner's, if its process is gone
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()

@@ -35,6 +35,7 @@ from gymnasium.vector import AutoresetMode
 from clusterenv.errors import PolicyError
 from clusterenv.policy.heads import head_from_meta
 from clusterenv.policy.strategies import EveryUpdate, SyncStrategy, mean_kl, probe_rows
+from clusterenv.wire.infos import pack_infos
 from clusterenv.wire.leaves import is_array_tree, leaf_arrays, unflatten
 from clusterenv.wire.messages import (
     ProbeMeta,
@@ -223,7 +224,7 @@ class _WorkerPolicy:
             envs.info_log = []
         self.probe_outputs = probe_rows([out["logits"]], int(request["probe_steps"]))[0]
         next_obs = [np.array(current)] if single else [np.array(leaf) for leaf in leaf_arrays(space, current)]
-        blobs = [cloudpickle.dumps(info_logs) if any(info_logs) else b""]
+        blobs = [cloudpickle.dumps([pack_infos(log, envs.num_envs) for log in info_logs]) if any(info_logs) else b""]
         meta = RolloutResultMeta(version=policy.version, kl=request["kl"], restarted=restarted)
         return Message(Kind.ROLLOUT_RESULT, meta, rollout_frames(obs, out, next_obs), blobs), obs
 

@@ -20,6 +20,7 @@ import time
 
 import zmq
 
+from clusterenv.wire.cleanup import remove_stale_dirs
 from clusterenv.wire.liveness import LEARNER_LOST_EXIT_CODE, Heartbeat
 from clusterenv.wire.messages import HelloMeta, InitMeta, meta_of
 from clusterenv.wire.protocol import Kind, Message
@@ -42,12 +43,18 @@ IDLE_CHECK_INTERVAL_S = 0.5
 _EXIT_LINGER_MS = 500
 
 
-def _close_quietly(worker: Worker) -> None:
-    """Close the envs of a worker whose learner is gone: nobody is left to report a failure to."""
+def _learner_lost(worker: Worker) -> int:
+    """Close the envs of a worker whose learner is gone, and what the learner left on this host; the exit status.
+
+    Nobody is left to report a failure to. The learner's scratch directories (ipc sockets,
+    shared observations) are removed once its process is gone: it could not remove them itself.
+    """
     try:
         worker.close()
     except Exception:
         logger.warning("Closing the envs failed.", exc_info=True)
+    remove_stale_dirs()
+    return LEARNER_LOST_EXIT_CODE
 
 
 def _error_reply(worker: Worker, exc: BaseException) -> Message:
@@ -99,13 +106,11 @@ def serve(
         while True:
             msg = mailbox.take(IDLE_CHECK_INTERVAL_S)
             if heart is not None and heart.learner_lost.is_set():
-                _close_quietly(worker)  # while the watchdog waits: if closing hangs, it ends the process
-                return LEARNER_LOST_EXIT_CODE
+                return _learner_lost(worker)  # while the watchdog waits: if closing hangs, it ends the process
             if msg is None:
                 if parent_pid is not None and os.getppid() != parent_pid:
                     logger.warning("Worker %d: learner process %d is gone; exiting.", worker.worker_id, parent_pid)
-                    _close_quietly(worker)
-                    return LEARNER_LOST_EXIT_CODE
+                    return _learner_lost(worker)
                 if heart is None and join_deadline is not None and time.monotonic() > join_deadline:
                     logger.error("No learner at %s sent work within %.1f s; exiting.", address, join_timeout)
                     return LEARNER_LOST_EXIT_CODE

@@ -22,7 +22,8 @@ from gymnasium.vector import SyncVectorEnv
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array
 
 from clusterenv.wire import shared_memory
-from clusterenv.wire.leaves import InfoRecord, leaf_arrays
+from clusterenv.wire.infos import InfoRecord
+from clusterenv.wire.leaves import leaf_arrays
 from clusterenv.worker.failures import EnvTracker, TrackedEnvs
 
 __all__ = ["RecordingVectorEnv", "build", "dumps", "install_registry", "make_envs"]
