@@ -18,7 +18,7 @@ from gymnasium.wrappers import vector as vector_wrappers
 import clusterenv
 from clusterenv import ClusterEnv
 from tests.conftest import assert_same
-from tests.envs import RichSpacesEnv
+from tests.envs import RichSpacesEnv, SlowCartPole
 
 CARTPOLE = functools.partial(gym.make, "CartPole-v1")
 PENDULUM = functools.partial(gym.make, "Pendulum-v1", max_episode_steps=25)
@@ -334,9 +334,24 @@ def test_version_matches_the_installed_distribution():
     assert clusterenv.__version__ == importlib.metadata.version("clusterenv")
 
 
-def test_worker_info_names_each_worker_and_how_long_it_has_been_silent():
-    with ClusterEnv([CARTPOLE] * 2, num_workers=2) as envs:
+def test_worker_info_names_each_worker_its_envs_and_how_long_it_has_been_silent():
+    with ClusterEnv([CARTPOLE] * 5, num_workers=2) as envs:
         info = envs.worker_info
         assert [entry["worker_id"] for entry in info] == [0, 1]
+        assert [entry["env_ids"] for entry in info] == [[0, 1], [2, 3, 4]]
         assert all(entry["pid"] > 0 and entry["host"] for entry in info)
         assert all(0.0 <= entry["silent_s"] < 60.0 for entry in info)
+
+
+def test_worker_info_shows_which_worker_is_the_straggler():
+    """Reply latencies per worker: the one whose envs take 20 ms per step stands out."""
+    slow = functools.partial(SlowCartPole, 0.02)
+    with ClusterEnv([CARTPOLE, CARTPOLE, slow, slow], num_workers=2) as envs:
+        envs.reset(seed=0)
+        for _ in range(10):
+            envs.step(np.zeros(4, dtype=np.int64))
+        fast_worker, slow_worker = (entry["latency_ms"] for entry in envs.worker_info)
+        assert slow_worker["replies"] == fast_worker["replies"] >= 11  # building the envs, the reset, 10 steps
+        assert slow_worker["p50"] >= 40.0  # two envs of 20 ms each
+        assert fast_worker["p50"] < slow_worker["p50"] / 2
+        assert fast_worker["p50"] <= fast_worker["p95"] <= fast_worker["max"]

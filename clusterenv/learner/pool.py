@@ -21,6 +21,7 @@ restarts do not loop.
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
 import secrets
@@ -64,6 +65,8 @@ _MAX_DROPS_PER_WAIT = 64
 _EXIT_STATUS_WAIT_S = 1.0
 # Lets a CLOSE queued for a connected worker leave before the socket goes; peers that are gone hold nothing up.
 _CLOSE_LINGER_MS = 500
+#: How many of each worker's recent replies ``worker_info``'s latency percentiles cover.
+LATENCY_WINDOW = 256
 #: One worker's command: ``(meta, arrays, blobs)``.
 Command = tuple[Mapping[str, Any] | None, Sequence[np.ndarray], Sequence[bytes]]
 
@@ -180,6 +183,8 @@ class WorkerPool:
         self._info: dict[int, Mapping[str, Any]] = {}  # each worker's HELLO
         self._init_commands: dict[int, tuple[EnvsMeta, list[bytes]]] = {}
         self._last_sent: dict[int, _Sent] = {}
+        self._sent_at: dict[int, float] = {}  # when each worker was last sent a command
+        self._latencies: dict[int, collections.deque[float]] = {}  # seconds from that command to the reply
         self._restart_hooks: list[Callable[[int], None]] = []
         self._interrupted: set[int] = set()
         self._failed: set[int] = set()
@@ -287,7 +292,13 @@ class WorkerPool:
     def worker_info(self) -> list[dict[str, Any]]:
         """What :attr:`ClusterEnv.worker_info <clusterenv.ClusterEnv.worker_info>` shows, per worker."""
         return [
-            {"worker_id": w, "host": info.get("host"), "pid": info.get("pid"), "silent_s": self._monitor.silence(w)}
+            {
+                "worker_id": w,
+                "host": info.get("host"),
+                "pid": info.get("pid"),
+                "silent_s": self._monitor.silence(w),
+                "latency_ms": _percentiles(self._latencies.get(w)),
+            }
             for w, info in sorted(self._info.items())
         ]
 
@@ -334,6 +345,8 @@ class WorkerPool:
         for (worker_id, frames), (meta, arrays, blobs) in zip(encoded, commands.values(), strict=True):
             if on_loss is not None:
                 self._last_sent[worker_id] = _Sent(kind, meta, arrays, blobs, on_loss)
+            if on_loss is not None:  # a command, not a message that serves one (weights, probe outputs)
+                self._sent_at[worker_id] = time.monotonic()
             try:
                 self._channel.send_frames(frames, to=self._identities[worker_id])
             except zmq.ZMQError as exc:
@@ -455,6 +468,11 @@ class WorkerPool:
                 continue  # a reply to a call that timed out earlier, or a stray peer
             if msg.kind is Kind.ERROR:
                 raise self._remote_error(worker_id, msg, doing, close=errors_close)
+            if worker_id in self._sent_at:
+                latencies = self._latencies.get(worker_id)
+                if latencies is None:
+                    latencies = self._latencies[worker_id] = collections.deque(maxlen=LATENCY_WINDOW)
+                latencies.append(time.monotonic() - self._sent_at[worker_id])
             return worker_id, msg
         return None
 
@@ -631,3 +649,12 @@ def _shutdown(launcher: Launcher, monitor: HeartbeatMonitor, channel: Channel, c
     monitor.close()
     channel.close(linger=_CLOSE_LINGER_MS)
     context.term()
+
+
+def _percentiles(latencies: Iterable[float] | None) -> dict[str, float] | None:
+    """The median, 95th percentile and maximum of a worker's recent reply latencies, in milliseconds."""
+    if not latencies:
+        return None
+    values = np.fromiter(latencies, dtype=np.float64) * 1000.0
+    p50, p95 = np.percentile(values, [50, 95]).tolist()
+    return {"p50": p50, "p95": p95, "max": float(values.max()), "replies": len(values)}

@@ -616,13 +616,21 @@ class ClusterEnv(VectorEnv):
 
     @property
     def worker_info(self) -> list[dict[str, Any]]:
-        """Per worker: ``{"worker_id", "host", "pid", "silent_s"}``.
+        """Per worker: ``{"worker_id", "host", "pid", "env_ids", "silent_s", "latency_ms"}``.
 
         Host and pid are what the worker said when it joined (replacements included);
-        ``silent_s`` is the seconds since its last heartbeat, to spot a worker that stalls
-        before it is declared lost.
+        ``env_ids`` the indices of its envs; ``silent_s`` the seconds since its last heartbeat,
+        to spot a worker that stalls before it is declared lost; ``latency_ms`` the median, 95th
+        percentile and maximum of the time from the learner's command to the worker's reply, over
+        its last ``LATENCY_WINDOW`` (256) replies (``None`` before the first), to spot stragglers.
         """
-        return self._pool.worker_info
+        return [
+            {
+                **info,
+                "env_ids": list(range(self._slices[info["worker_id"]].start, self._slices[info["worker_id"]].stop)),
+            }
+            for info in self._pool.worker_info
+        ]
 
     def __enter__(self) -> ClusterEnv:
         return self
