@@ -184,7 +184,10 @@ class WorkerPool:
         self._init_commands: dict[int, tuple[EnvsMeta, list[bytes]]] = {}
         self._last_sent: dict[int, _Sent] = {}
         self._sent_at: dict[int, float] = {}  # when each worker was last sent a command
-        self._latencies: dict[int, collections.deque[float]] = {}  # seconds from that command to the reply
+        # Seconds from that command to the reply, per worker.
+        self._latencies: collections.defaultdict[int, collections.deque[float]] = collections.defaultdict(
+            lambda: collections.deque(maxlen=LATENCY_WINDOW)
+        )
         self._restart_hooks: list[Callable[[int], None]] = []
         self._interrupted: set[int] = set()
         self._failed: set[int] = set()
@@ -343,9 +346,8 @@ class WorkerPool:
             for w, (meta, arrays, blobs) in commands.items()
         ]
         for (worker_id, frames), (meta, arrays, blobs) in zip(encoded, commands.values(), strict=True):
-            if on_loss is not None:
-                self._last_sent[worker_id] = _Sent(kind, meta, arrays, blobs, on_loss)
             if on_loss is not None:  # a command, not a message that serves one (weights, probe outputs)
+                self._last_sent[worker_id] = _Sent(kind, meta, arrays, blobs, on_loss)
                 self._sent_at[worker_id] = time.monotonic()
             try:
                 self._channel.send_frames(frames, to=self._identities[worker_id])
@@ -469,10 +471,7 @@ class WorkerPool:
             if msg.kind is Kind.ERROR:
                 raise self._remote_error(worker_id, msg, doing, close=errors_close)
             if worker_id in self._sent_at:
-                latencies = self._latencies.get(worker_id)
-                if latencies is None:
-                    latencies = self._latencies[worker_id] = collections.deque(maxlen=LATENCY_WINDOW)
-                latencies.append(time.monotonic() - self._sent_at[worker_id])
+                self._latencies[worker_id].append(time.monotonic() - self._sent_at[worker_id])
             return worker_id, msg
         return None
 

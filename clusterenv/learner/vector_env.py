@@ -624,13 +624,11 @@ class ClusterEnv(VectorEnv):
         percentile and maximum of the time from the learner's command to the worker's reply, over
         its last ``LATENCY_WINDOW`` (256) replies (``None`` before the first), to spot stragglers.
         """
-        return [
-            {
-                **info,
-                "env_ids": list(range(self._slices[info["worker_id"]].start, self._slices[info["worker_id"]].stop)),
-            }
-            for info in self._pool.worker_info
-        ]
+        described = []
+        for info in self._pool.worker_info:
+            envs = self._slices[info["worker_id"]]
+            described.append({**info, "env_ids": list(range(envs.start, envs.stop))})
+        return described
 
     def __enter__(self) -> ClusterEnv:
         return self
