@@ -205,7 +205,7 @@ if __name__ == "__main__":
 
     rb = ReplayBuffer(args.buffer_size, envs.single_observation_space, device)
     num_iterations = args.total_timesteps // args.num_envs
-    log = EpisodeLog(os.path.join(args.runs_dir, run_name), num_iterations * args.num_envs, args.return_window)
+    log = EpisodeLog(os.path.join(args.runs_dir, run_name), num_iterations * args.num_envs, args.return_window, envs)
     start_time = time.time()
     scalars = {}
 

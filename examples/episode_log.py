@@ -20,9 +20,14 @@ __all__ = ["EpisodeLog"]
 
 
 class EpisodeLog:
-    """Episode statistics to `episodes.csv`, the progress bar, TensorBoard (if installed) and a PNG."""
+    """Episode statistics to `episodes.csv`, the progress bar, TensorBoard (if installed) and a PNG.
 
-    def __init__(self, run_dir, total_timesteps, window):
+    Given a ClusterEnv (`envs`), it also logs the live worker processes and the envs whose
+    episodes a lost worker cut (`infos["worker_restarted"]`) to `workers.csv` and TensorBoard,
+    one row whenever they change: under `on_worker_failure="rehome"` the run goes on with fewer.
+    """
+
+    def __init__(self, run_dir, total_timesteps, window, envs=None):
         os.makedirs(run_dir, exist_ok=True)
         self.run_dir, self.window, self.start = run_dir, window, time.time()
         self.file = open(os.path.join(run_dir, "episodes.csv"), "w", newline="")
@@ -31,11 +36,19 @@ class EpisodeLog:
         self.steps, self.returns = [], []
         self.writer = SummaryWriter(run_dir) if SummaryWriter is not None else None
         self.bar = tqdm(total=total_timesteps, unit="step", unit_scale=True, dynamic_ncols=True, mininterval=1.0)
+        self.envs = envs if hasattr(envs, "worker_info") else None
+        self.cut_envs, self.fleet = 0, None
+        if self.envs is not None:
+            self.workers_file = open(os.path.join(run_dir, "workers.csv"), "w", newline="")
+            self.workers_csv = csv.writer(self.workers_file)
+            self.workers_csv.writerow(["global_step", "live_workers", "lost_workers", "cut_envs", "wall_time_s"])
 
     def record(self, global_step, infos):
         # RecordEpisodeStatistics runs inside each env (in the workers, for ClusterEnv). With NEXT_STEP
         # autoreset its `episode` info comes with the step that ended the episode; with SAME_STEP it
         # is under `final_info`, because the step's own info is that of the reset.
+        if "worker_restarted" in infos:
+            self.cut_envs += int(np.count_nonzero(infos["worker_restarted"]))
         for info in (infos, infos.get("final_info", {})):
             if "_episode" not in info:
                 continue
@@ -52,6 +65,14 @@ class EpisodeLog:
         return float(np.mean(self.returns[-self.window :])) if self.returns else float("nan")
 
     def progress(self, global_step, scalars, **postfix):
+        if self.envs is not None:
+            states = [w["state"] for w in self.envs.worker_info]
+            fleet = (states.count("active"), states.count("lost"), self.cut_envs)
+            if fleet != self.fleet:
+                self.fleet = fleet
+                self.workers_csv.writerow([global_step, *fleet, round(time.time() - self.start, 3)])
+                self.workers_file.flush()
+            scalars = {**scalars, "workers/live": fleet[0], "workers/cut_envs": fleet[2]}
         if self.writer is not None:
             for tag, value in scalars.items():
                 self.writer.add_scalar(tag, value, global_step)
@@ -61,6 +82,8 @@ class EpisodeLog:
     def close(self, title):
         self.bar.close()
         self.file.close()
+        if self.envs is not None:
+            self.workers_file.close()
         if self.writer is not None:
             self.writer.close()
         # The Figure API needs no display and no global pyplot state.

@@ -191,7 +191,9 @@ if __name__ == "__main__":
 
     agent = Agent(envs).to(device)
     optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
-    log = EpisodeLog(os.path.join(args.runs_dir, run_name), args.num_iterations * args.batch_size, args.return_window)
+    log = EpisodeLog(
+        os.path.join(args.runs_dir, run_name), args.num_iterations * args.batch_size, args.return_window, envs
+    )
     # Only the actor goes to the workers; the critic stays here and values the returned observations.
     runner = (
         clusterenv.PolicyRunner(

@@ -109,3 +109,56 @@ def test_twenty_thousand_steps_through_kills_freezes_and_floods():
     assert wait_until(lambda: not child_pids(), timeout=10), f"workers left: {child_pids()}"
     assert wait_until(lambda: len(os.listdir("/proc/self/fd")) <= fds_before, timeout=10)
     assert leftovers() <= dirs_before, (dirs_before, leftovers())
+
+
+@pytest.mark.timeout(600)
+def test_the_run_goes_on_with_fewer_workers_when_three_of_eight_are_lost_for_good():
+    """Under ``rehome``: 2 of 8 workers killed (one mid-step) and one frozen; the survivors carry all envs.
+
+    ``benchmarks/elastic.py`` runs the same for 20,000 steps and measures the throughput.
+    """
+    num_envs, num_workers = 16, 8
+    per_worker = num_envs // num_workers
+    fds_before, dirs_before = len(os.listdir("/proc/self/fd")), leftovers()
+    fns = [lambda: gym.make("CartPole-v1")] * num_envs
+    rng = np.random.default_rng(0)
+    # step -> (worker, how); the frozen worker is lost after the heartbeat window and then ended.
+    casualties = {1000: (1, "SIGKILL"), 2000: (4, "SIGKILL mid-step"), 3000: (6, "SIGSTOP")}
+    with ClusterEnv(fns, num_workers=num_workers, on_worker_failure="rehome", heartbeat=FAST, timeout=60) as envs:
+        envs.reset(seed=0)
+        hit: dict[int, str] = {}
+        cuts = 0
+        for t in range(5000):
+            actions = rng.integers(0, 2, num_envs)
+            if t in casualties:
+                victim, how = casualties[t]
+                pid = envs.worker_info[victim]["pid"]
+                sig = signal.SIGSTOP if how == "SIGSTOP" else signal.SIGKILL
+                if how.endswith("mid-step"):
+                    envs.step_async(actions)
+                    os.kill(pid, sig)
+                    result = envs.step_wait()
+                else:
+                    os.kill(pid, sig)
+                    result = envs.step(actions)
+                hit[victim] = how
+            else:
+                result = envs.step(actions)
+            obs, rewards, terminations, truncations, infos = result
+            assert obs.shape == (num_envs, 4) and rewards.shape == (num_envs,)
+            if "worker_restarted" in infos:
+                cut = np.flatnonzero(infos["worker_restarted"])
+                workers = sorted({int(i) // per_worker for i in cut})
+                assert workers == sorted(hit), f"step {t}: cuts of {workers}, but {hit} were hit"
+                assert truncations[cut].all() and not terminations[cut].any() and (rewards[cut] == 0).all()
+                for w in workers:
+                    assert set(cut) >= set(range(w * per_worker, (w + 1) * per_worker))
+                    hit.pop(w)
+                cuts += len(workers)
+        assert not hit and cuts == len(casualties)
+        described = envs.worker_info
+        assert sorted(w["worker_id"] for w in described if w["state"] == "lost") == [1, 4, 6]
+        assert sorted(e for w in described for e in w["env_ids"]) == list(range(num_envs))
+    assert wait_until(lambda: not child_pids(), timeout=10), f"workers left: {child_pids()}"
+    assert wait_until(lambda: len(os.listdir("/proc/self/fd")) <= fds_before, timeout=10)
+    assert leftovers() <= dirs_before, (dirs_before, leftovers())

@@ -68,3 +68,44 @@ def test_workers_spread_over_three_nodes_step_exactly_and_survive_losing_a_node(
         assert launcher.node_id(lost) in set(nodes) - {nodes[lost]}, "the replacement runs on a surviving node"
         for _ in range(5):
             envs.step(reference.action_space.sample())
+
+
+def test_a_node_that_never_comes_back_has_its_envs_moved_to_the_surviving_actors(three_nodes):
+    from clusterenv.launch.ray import RayLauncher
+
+    ray, cluster = three_nodes
+    added = []
+    while len([node for node in ray.nodes() if node["Alive"]]) < 3:  # the test above took one away
+        added.append(cluster.add_node(num_cpus=2))
+        cluster.wait_for_nodes()
+    try:
+        launcher = RayLauncher(num_cpus_per_worker=1)
+        fns = ENV_FNS + ENV_FNS[:2]
+        with (
+            ClusterEnv(fns, num_workers=3, launcher=launcher, on_worker_failure="rehome", heartbeat=FAST) as envs,
+            closing(SyncVectorEnv(fns)) as reference,
+        ):
+            nodes = [launcher.node_id(w) for w in range(3)]
+            assert len(set(nodes)) == 3, f"workers were not spread over the nodes: {nodes}"
+            run_lockstep(envs, reference, steps=5)
+
+            head = cluster.head_node.node_id
+            lost = next(w for w in range(3) if nodes[w] != head)
+            cluster.remove_node(next(node for node in cluster.list_all_nodes() if node.node_id == nodes[lost]))
+            rows = [lost * 2, lost * 2 + 1]
+            for _ in range(3):
+                *_, truncations, infos = envs.step(reference.action_space.sample())
+                if "worker_restarted" in infos:
+                    break
+            assert infos["worker_restarted"].nonzero()[0].tolist() == rows and truncations[rows].all()
+            described = {w["worker_id"]: w for w in envs.worker_info}
+            assert described[lost]["state"] == "lost"
+            survivors = [w for w in range(3) if w != lost]
+            assert sorted(e for w in survivors for e in described[w]["env_ids"]) == list(range(6))
+            assert [launcher.node_id(w) for w in survivors] == [nodes[w] for w in survivors], "no actor was started"
+            for _ in range(5):
+                envs.step(reference.action_space.sample())
+    finally:  # the fixture's cluster is as this test found it
+        for node in added:
+            if node in cluster.list_all_nodes():
+                cluster.remove_node(node)

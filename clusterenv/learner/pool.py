@@ -17,6 +17,13 @@ its policy there), and does what the issuer of the lost worker's pending command
 when it sent it (:class:`OnLoss`): replay it, report it interrupted, leave its re-issue to
 the hooks, or raise ``WorkerLostError``. A replacement that fails in turn raises:
 restarts do not loop.
+
+Re-homing (``on_worker_failure="rehome"``) takes the same path with no new process: each
+lost worker's envs are rebuilt, from the same INIT, in the surviving process that carries
+the fewest envs. A *worker* (ids ``0 .. num_workers - 1``, one slice of envs each) is then
+served by a *process* other than its own: the pool maps each worker to the process that
+serves it (:attr:`WorkerPool.serving`), and messages for a moved worker name it (meta
+``slot``) so that its host hands them to the right envs. Liveness is the process's.
 """
 
 from __future__ import annotations
@@ -106,7 +113,11 @@ class WorkerPool:
         secret: shared HMAC secret (or ``$CLUSTERENV_SECRET``); random when workers are local.
         launcher: ``"local"``, ``"external"``, ``"ray"`` or a :class:`~clusterenv.launch.launchers.Launcher`.
         heartbeat: heartbeat constants; a worker whose heartbeat connection drops (dead or frozen) is lost.
-        on_worker_failure: ``"raise"`` or ``"restart"``.
+        on_worker_failure: ``"raise"``, ``"restart"`` (a new process per lost one) or ``"rehome"``
+            (the lost workers' envs move to the surviving processes).
+        min_workers: under ``"rehome"``, the fewest surviving processes to go on with; a loss
+            that leaves fewer raises ``WorkerLostError``.
+        env_counts: how many envs each worker steps (re-homing balances them); default one each.
         start_timeout: seconds for workers to join and build their envs.
         describe_work: names what a worker was running in a lost-worker error, e.g. ``"envs 4..7"``.
         trusted_classes: classes (or ``"module.Name"``) that replies from workers this pool did not
@@ -124,6 +135,8 @@ class WorkerPool:
         heartbeat: Heartbeat,
         on_worker_failure: str,
         start_timeout: float,
+        min_workers: int = 1,
+        env_counts: Sequence[int] | None = None,
         describe_work: Callable[[int], str] = lambda worker_id: f"worker {worker_id}",
         trusted_classes: Iterable[type | str] = (),
         encrypt: bool = False,
@@ -138,6 +151,8 @@ class WorkerPool:
         self.num_workers = num_workers
         self.heartbeat = heartbeat
         self.on_worker_failure = on_worker_failure
+        self.min_workers = min_workers
+        self._env_counts = list(env_counts) if env_counts is not None else [1] * num_workers
         self.start_timeout = start_timeout
         self.describe_work = describe_work
         self.launcher: Launcher = resolve_launcher(launcher)
@@ -178,9 +193,13 @@ class WorkerPool:
         #: Called once on an error that leaves the workers unusable (``terminate``: kill, don't wait).
         self.on_fatal: Callable[[bool], None] = self.close_after_error
         self.closed = False
+        # Worker → the routing id of the process serving it; routing id → that process (its own worker id).
         self._identities: dict[int, bytes] = {}
         self._peers: dict[bytes, int] = {}
-        self._info: dict[int, Mapping[str, Any]] = {}  # each worker's HELLO
+        #: Worker → the process serving it, named by the id it joined as (itself, unless re-homed).
+        self.serving: dict[int, int] = {}
+        self._retired: dict[int, str] = {}  # processes lost for good (rehome), with how they were lost
+        self._info: dict[int, Mapping[str, Any]] = {}  # each process's HELLO
         self._init_commands: dict[int, tuple[EnvsMeta, list[bytes]]] = {}
         self._last_sent: dict[int, _Sent] = {}
         self._sent_at: dict[int, float] = {}  # when each worker was last sent a command
@@ -242,7 +261,9 @@ class WorkerPool:
                 continue
             sender, msg = received
             if sender in self._peers and msg.meta.get("seq") == self.seq and msg.kind is not Kind.HELLO:
-                self._stash.append((self._peers[sender], msg))  # a streaming call goes on while one worker is replaced
+                worker = self._worker_of(sender, msg)
+                if worker is not None:  # a streaming call goes on while one worker is replaced
+                    self._stash.append((worker, msg))
                 continue
             if msg.kind is not Kind.HELLO or sender is None or sender in self._peers:
                 logger.warning("Ignored %s from peer %r while waiting for workers to join.", msg.kind.name, sender)
@@ -266,6 +287,7 @@ class WorkerPool:
                 continue
             wanted.discard(worker_id)
             self._identities[worker_id], self._peers[sender] = sender, worker_id
+            self.serving[worker_id] = worker_id
             self._info[worker_id] = msg.meta
 
     def send_init(self, worker_id: int, meta: EnvsMeta, blobs: list[bytes]) -> None:
@@ -276,8 +298,9 @@ class WorkerPool:
     def _send_init(self, worker_id: int, *, replacement: bool) -> None:
         meta, blobs = self._init_commands[worker_id]
         identity = self._identities[worker_id]
-        # The worker starts beating on receipt, with the heartbeat keys agreed when it joined.
-        self._monitor.watch(worker_id, identity, self._channel.heartbeat_session(identity))
+        if self.serving[worker_id] == worker_id:
+            # The worker starts beating on receipt, with the heartbeat keys agreed when it joined.
+            self._monitor.watch(worker_id, identity, self._channel.heartbeat_session(identity))
         init = InitMeta(
             **meta,
             worker_id=worker_id,
@@ -288,22 +311,29 @@ class WorkerPool:
         self.send(worker_id, Kind.INIT, init, blobs=blobs, on_loss=OnLoss.RAISE)
 
     def host(self, worker_id: int) -> str | None:
-        """The host name worker ``worker_id`` reported when it joined."""
-        return self._info[worker_id].get("host")
+        """The host name of the process serving worker ``worker_id``, as it reported when it joined."""
+        return self._info[self.serving[worker_id]].get("host")
 
     @property
     def worker_info(self) -> list[dict[str, Any]]:
-        """What :attr:`ClusterEnv.worker_info <clusterenv.ClusterEnv.worker_info>` shows, per worker."""
-        return [
-            {
-                "worker_id": w,
-                "host": info.get("host"),
-                "pid": info.get("pid"),
-                "silent_s": self._monitor.silence(w),
-                "latency_ms": _percentiles(self._latencies.get(w)),
-            }
-            for w, info in sorted(self._info.items())
-        ]
+        """What :attr:`ClusterEnv.worker_info <clusterenv.ClusterEnv.worker_info>` shows, per worker process."""
+        described = []
+        for process, info in sorted(self._info.items()):
+            serves = [] if process in self._retired else [w for w, p in self.serving.items() if p == process]
+            latencies = [t for w in serves for t in self._latencies.get(w, ())]
+            described.append(
+                {
+                    "worker_id": process,
+                    "host": info.get("host"),
+                    "pid": info.get("pid"),
+                    "state": "lost" if process in self._retired else "active",
+                    "serves": sorted(serves),
+                    "lost_because": self._retired.get(process),
+                    "silent_s": None if process in self._retired else self._monitor.silence(process),
+                    "latency_ms": _percentiles(latencies),
+                }
+            )
+        return described
 
     # -- commands --------------------------------------------------------------------------
     def new_call(self) -> int:
@@ -339,8 +369,10 @@ class WorkerPool:
         encoded = [
             (
                 w,
-                self._channel.frames(
-                    kind, {**(meta or {}), "seq": self.seq}, list(arrays), list(blobs), to=self._identities[w]
+                None  # its process was given up (rehome): the gather that follows moves the worker
+                if self.serving[w] in self._retired
+                else self._channel.frames(
+                    kind, self._header(w, meta), list(arrays), list(blobs), to=self._identities[w]
                 ),
             )
             for w, (meta, arrays, blobs) in commands.items()
@@ -349,14 +381,31 @@ class WorkerPool:
             if on_loss is not None:  # a command, not a message that serves one (weights, probe outputs)
                 self._last_sent[worker_id] = _Sent(kind, meta, arrays, blobs, on_loss)
                 self._sent_at[worker_id] = time.monotonic()
+            if frames is None:
+                self._failed.add(worker_id)
+                continue
             try:
                 self._channel.send_frames(frames, to=self._identities[worker_id])
             except zmq.ZMQError as exc:
-                if self.on_worker_failure == "restart" and not self._recovering:
-                    logger.warning("Worker %d is unreachable (%s); it will be replaced.", worker_id, exc)
+                if self.on_worker_failure != "raise" and not self._recovering:
+                    logger.warning("Worker %d is unreachable (%s); it is taken as lost.", worker_id, exc)
                     self._failed.add(worker_id)
                     continue
                 raise self._lost(worker_id, f"sending {kind.name}") from exc
+
+    def _header(self, worker_id: int, meta: Mapping[str, Any] | None) -> dict[str, Any]:
+        """A command's meta as sent: the call number, and the worker's slot if another process serves it."""
+        header = {**(meta or {}), "seq": self.seq}
+        if self.serving[worker_id] != worker_id:
+            header["slot"] = worker_id
+        return header
+
+    def _worker_of(self, sender: bytes, msg: Message) -> int | None:
+        """The worker a message from process ``sender`` speaks for: its own, or the slot it names if it serves that one."""
+        slot = msg.meta.get("slot")
+        if slot is None:
+            return self._peers.get(sender)
+        return slot if self._identities.get(slot) == sender else None
 
     def gather(
         self,
@@ -462,7 +511,7 @@ class WorkerPool:
                 return None
             wait = 0.0
             sender, msg = received
-            worker_id = None if sender is None else self._peers.get(sender)
+            worker_id = None if sender is None else self._worker_of(sender, msg)
             if worker_id is None and msg.kind is Kind.HELLO and len(self._early_hellos) < _MAX_EARLY_HELLOS:
                 self._early_hellos.append(received)
                 continue
@@ -486,33 +535,47 @@ class WorkerPool:
         return interrupted
 
     # -- failures --------------------------------------------------------------------------
-    def _lost(self, worker_id: int, doing: str) -> WorkerLostError:
-        code = self.launcher.exit_code(worker_id)
+    def _how_lost(self, process: int) -> str:
+        """Why a worker process is gone: its exit status, else what its heartbeat connection showed."""
+        if process in self._retired:
+            return self._retired[process]
+        code = self.launcher.exit_code(process)
         # A worker that exits closes its connections first: give its exit status, the better cause, a moment.
         deadline = time.monotonic() + _EXIT_STATUS_WAIT_S
-        while code is None and self._monitor.reason(worker_id) is not None and time.monotonic() < deadline:
+        while code is None and self._monitor.reason(process) is not None and time.monotonic() < deadline:
             time.sleep(0.02)
-            code = self.launcher.exit_code(worker_id)
+            code = self.launcher.exit_code(process)
         if code is not None:
-            how = f"exited with code {code}"
-        else:
-            how = self._monitor.reason(worker_id) or "is unreachable"
+            return f"exited with code {code}"
+        return self._monitor.reason(process) or "is unreachable"
+
+    def _lost(self, worker_id: int, doing: str, why: str = "") -> WorkerLostError:
+        process = self.serving.get(worker_id, worker_id)
+        where = self.launcher.describe(process)
+        if process != worker_id:
+            where += f" (serving worker {worker_id})"
         error = WorkerLostError(
-            f"{self.launcher.describe(worker_id)}, running {self.describe_work(worker_id)}, {how} while {doing}."
+            f"{where}, running {self.describe_work(worker_id)}, {self._how_lost(process)} while {doing}.{why}"
         )
         self.on_fatal(True)
         return error
 
-    def _check_alive(self, worker_ids: set[int], doing: str) -> set[int]:
-        """Workers among ``worker_ids`` that exited or expired: raised, or (restart) returned and marked failed."""
+    def _gone(self, processes: Iterable[int]) -> set[int]:
+        """The processes among ``processes`` that are lost: retired, exited, or silent past the heartbeat window."""
         expired = self._monitor.expired()
-        lost = {w for w in worker_ids if w in expired or self.launcher.exit_code(w) is not None}
+        return {p for p in processes if p in self._retired or p in expired or self.launcher.exit_code(p) is not None}
+
+    def _check_alive(self, worker_ids: set[int], doing: str) -> set[int]:
+        """Workers among ``worker_ids`` whose process is lost: raised, or (restart, rehome) returned and marked failed."""
+        gone = self._gone({self.serving[w] for w in worker_ids})
+        lost = {w for w in worker_ids if self.serving[w] in gone}
         if lost and (self.on_worker_failure == "raise" or self._recovering):
             raise self._lost(min(lost), doing)
+        action = "moving its envs to the other workers" if self.on_worker_failure == "rehome" else "replacing it"
         for w in sorted(lost):
             if not self._restartable(w):
                 raise self._lost(w, doing)
-            logger.warning("%s was lost while %s; replacing it.", self.launcher.describe(w), doing)
+            logger.warning("%s was lost while %s; %s.", self.launcher.describe(self.serving[w]), doing, action)
         self._failed |= lost
         return lost
 
@@ -559,7 +622,12 @@ class WorkerPool:
                     raise self._lost(
                         worker_id, f"{doing} ({sent.kind.name} cannot be recovered on a replacement worker)"
                     )
-                self._restart(worker_id)
+                if self.on_worker_failure == "rehome":
+                    self._rehome(worker_id, doing)
+                else:
+                    self._restart(worker_id)
+                for hook in self._restart_hooks:
+                    hook(worker_id)
                 if sent.on_loss is OnLoss.INTERRUPT:
                     self._interrupted.add(worker_id)
                 elif sent.on_loss is OnLoss.REPLAY:
@@ -582,8 +650,45 @@ class WorkerPool:
         self._failed.discard(worker_id)
         self._send_init(worker_id, replacement=True)
         self.gather([worker_id], f"rebuilding the envs of worker {worker_id}", self.start_timeout)
-        for hook in self._restart_hooks:
-            hook(worker_id)
+
+    def _rehome(self, worker_id: int, doing: str) -> None:
+        """Rebuild a lost worker's envs in the surviving process that carries the fewest envs."""
+        process = self.serving[worker_id]
+        if process not in self._retired:
+            self._retire(process)
+        survivors = [p for p in set(self._peers.values()) if p not in self._gone([p])]
+        if len(survivors) < self.min_workers:
+            raise self._lost(
+                worker_id,
+                doing,
+                f" {len(survivors)} worker processes survive, fewer than min_workers={self.min_workers}.",
+            )
+        load = collections.Counter({p: 0 for p in survivors})
+        for w, p in self.serving.items():
+            if p in load:
+                load[p] += self._env_counts[w]
+        target = min(survivors, key=lambda p: (load[p], p))
+        logger.warning(
+            "Moving worker %d's envs (%s) to worker process %d (%s).",
+            worker_id,
+            self.describe_work(worker_id),
+            target,
+            self.launcher.describe(target),
+        )
+        self.serving[worker_id] = target
+        self._identities[worker_id] = self._identities[target]
+        self._failed.discard(worker_id)
+        self._send_init(worker_id, replacement=True)
+        self.gather([worker_id], f"rebuilding the envs of worker {worker_id} in worker {target}", self.start_timeout)
+
+    def _retire(self, process: int) -> None:
+        """Give up on a lost process for good: end it if possible, and accept nothing more from it."""
+        self._retired[process] = self._how_lost(process)
+        self.launcher.kill(process)
+        self._monitor.forget(process)
+        identity = next(i for i, p in self._peers.items() if p == process)
+        del self._peers[identity]
+        self._channel.forget(identity)
 
     # -- shutdown --------------------------------------------------------------------------
     def close_after_error(self, terminate: bool) -> None:
@@ -604,7 +709,7 @@ class WorkerPool:
         # Without blocking: a frozen worker's full queue must not hang close().
         self._channel.socket.setsockopt(zmq.SNDTIMEO, 0)
         self.seq += 1
-        for identity in self._identities.values():
+        for identity in self._peers:
             try:
                 self._channel.send(Kind.CLOSE, {"seq": self.seq}, to=identity)
             except zmq.ZMQError:
@@ -616,7 +721,7 @@ class WorkerPool:
 
     def _await_closed(self, deadline: float) -> None:
         """Wait until ``deadline`` (``time.monotonic()``) for CLOSED from every worker not known to be gone."""
-        pending = set(self._identities)
+        pending = set(self._peers.values())
         while pending and time.monotonic() < deadline:
             received = self._channel.recv(LIVENESS_POLL_S, routed=True)
             if received is not None:

@@ -77,8 +77,9 @@ class PolicyRunner:
     runner holds the envs from its first rollout until :meth:`stop`. One runner per env at
     a time: a new runner's policy replaces the old one's in the workers.
 
-    A worker replaced after a failure (``on_worker_failure="restart"``) gets the policy back
-    at the current version, and its rollouts in flight are run again there on freshly reset
+    A worker replaced after a failure (``on_worker_failure="restart"``), or the survivor that
+    takes its envs (``"rehome"``), gets the policy at the current version, and the lost
+    worker's rollouts in flight are run again there on freshly reset
     envs, flagged ``infos[0]["worker_restarted"]`` (the cut episode ends unflagged at the
     previous batch's ``next_obs``, from which the learner bootstraps). With
     ``on_worker_failure="raise"`` a lost worker raises ``WorkerLostError`` and closes the envs.
@@ -204,7 +205,8 @@ class PolicyRunner:
             for w in range(pool.num_workers):
                 self._send_policy(pool, w)
             pool.gather(range(pool.num_workers), "installing the local policies", self._timeout())
-        # A replacement worker (on_worker_failure="restart") gets the policy back, at the current version.
+        # A replacement worker (on_worker_failure="restart"), or whoever takes its envs ("rehome"),
+        # gets the policy back, at the current version.
         pool.on_restart(weak_callback(self._reinstall))
 
     def _send_policy(self, pool: WorkerPool, worker_id: int) -> None:

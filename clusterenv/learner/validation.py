@@ -26,6 +26,7 @@ __all__ = [
     "check_choice",
     "check_env_fns",
     "check_indices",
+    "check_min_workers",
     "check_num_workers",
     "check_observation_mode",
     "check_procs_per_worker",
@@ -82,6 +83,15 @@ def check_num_workers(num_workers: Any, num_envs: int) -> int:
     if not 1 <= num_workers <= num_envs:
         raise ValueError(f"`num_workers` must be between 1 and the number of envs ({num_envs}), got {num_workers}.")
     return int(num_workers)
+
+
+def check_min_workers(min_workers: Any, num_workers: int) -> int:
+    """The fewest surviving worker processes a re-homing run goes on with: between 1 and ``num_workers``."""
+    if isinstance(min_workers, bool) or not isinstance(min_workers, (int, np.integer)):
+        raise TypeError(f"`min_workers` must be an integer, got {type(min_workers).__name__} ({min_workers!r}).")
+    if not 1 <= min_workers <= num_workers:
+        raise ValueError(f"`min_workers` must be between 1 and `num_workers` ({num_workers}), got {min_workers}.")
+    return int(min_workers)
 
 
 def check_procs_per_worker(procs_per_worker: Any) -> int:

@@ -29,6 +29,7 @@ from clusterenv.learner.validation import (
     check_choice,
     check_env_fns,
     check_indices,
+    check_min_workers,
     check_num_workers,
     check_observation_mode,
     check_procs_per_worker,
@@ -108,6 +109,7 @@ class ClusterEnv(VectorEnv):
         secret: str | bytes | None = None,
         launcher: Launcher | str | None = None,
         on_worker_failure: str = "raise",
+        min_workers: int = 1,
         heartbeat: Heartbeat | None = None,
         batch_size: int | None = None,
         trusted_classes: Sequence[type | str] = (),
@@ -137,9 +139,13 @@ class ClusterEnv(VectorEnv):
             secret: shared HMAC secret (or ``$CLUSTERENV_SECRET``); random when workers are local.
             launcher: what starts the workers: ``"local"`` child processes (default), ``"external"``
                 (started by hand or ``srun``, see docs/guides/multi-node.md), ``"ray"``, or a ``Launcher``.
-            on_worker_failure: ``"raise"`` a ``WorkerLostError``, or ``"restart"`` the worker: its envs
-                are rebuilt and report the interrupted episode as truncated, with
-                ``infos["worker_restarted"]`` set (exact semantics in docs/guides/fault-tolerance.md).
+            on_worker_failure: ``"raise"`` a ``WorkerLostError``; ``"restart"`` the worker (a new
+                process); or ``"rehome"``: rebuild its envs in the surviving worker process that
+                carries the fewest envs, with no new process. Either way the rebuilt envs report
+                the interrupted episode as truncated, with ``infos["worker_restarted"]`` set (exact
+                semantics in docs/guides/fault-tolerance.md).
+            min_workers: with ``"rehome"``, the fewest surviving worker processes to go on with; a
+                loss that leaves fewer raises ``WorkerLostError``, naming who was lost and why.
             heartbeat: heartbeat constants; a worker whose heartbeat connection carried nothing for
                 ``interval * liveness`` seconds (dead or frozen, not busy) is lost.
             batch_size: how many envs :meth:`recv` returns (default ``num_envs``): those of the
@@ -169,7 +175,8 @@ class ClusterEnv(VectorEnv):
         self.copy = copy
         self.timeout = check_seconds("timeout", timeout, allow_none=True)
         start_timeout = check_seconds("start_timeout", start_timeout, allow_none=False)
-        self.on_worker_failure = check_choice("on_worker_failure", on_worker_failure, ["raise", "restart"])
+        self.on_worker_failure = check_choice("on_worker_failure", on_worker_failure, ["raise", "restart", "rehome"])
+        min_workers = check_min_workers(min_workers, num_workers)
         self.heartbeat = Heartbeat() if heartbeat is None else heartbeat
         pickled_fns = [pickle_env_fn(i, fn) for i, fn in enumerate(env_fns)]
 
@@ -188,6 +195,8 @@ class ClusterEnv(VectorEnv):
             heartbeat=self.heartbeat,
             on_worker_failure=on_worker_failure,
             start_timeout=start_timeout,
+            min_workers=min_workers,
+            env_counts=[sl.stop - sl.start for sl in self._slices],
             describe_work=lambda w: f"envs {self._slices[w].start}..{self._slices[w].stop - 1}",
             trusted_classes=trusted_classes,
             encrypt=encrypt,
@@ -616,19 +625,21 @@ class ClusterEnv(VectorEnv):
 
     @property
     def worker_info(self) -> list[dict[str, Any]]:
-        """Per worker: ``{"worker_id", "host", "pid", "env_ids", "silent_s", "latency_ms"}``.
+        """Per worker process: ``{"worker_id", "host", "pid", "state", "serves", "env_ids", "lost_because", "silent_s", "latency_ms"}``.
 
-        Host and pid are what the worker said when it joined (replacements included);
-        ``env_ids`` the indices of its envs; ``silent_s`` the seconds since its last heartbeat,
-        to spot a worker that stalls before it is declared lost; ``latency_ms`` the median, 95th
-        percentile and maximum of the time from the learner's command to the worker's reply, over
-        its last ``LATENCY_WINDOW`` (256) replies (``None`` before the first), to spot stragglers.
+        Host and pid are what the process said when it joined (replacements included).
+        ``state`` is ``"active"``, or ``"lost"`` for a process given up under ``"rehome"``
+        (``lost_because`` says why); ``serves`` the workers whose envs it steps (its own, and
+        any re-homed onto it) and ``env_ids`` their indices; ``silent_s`` the seconds since its
+        last heartbeat, to spot a process that stalls before it is declared lost;
+        ``latency_ms`` the median, 95th percentile and maximum of the time from the learner's
+        command to the reply, over the last ``LATENCY_WINDOW`` (256) replies per worker it
+        serves (``None`` before the first), to spot stragglers.
         """
-        described = []
-        for info in self._pool.worker_info:
-            envs = self._slices[info["worker_id"]]
-            described.append({**info, "env_ids": list(range(envs.start, envs.stop))})
-        return described
+        return [
+            {**info, "env_ids": [i for w in info["serves"] for i in range(self._slices[w].start, self._slices[w].stop)]}
+            for info in self._pool.worker_info
+        ]
 
     def __enter__(self) -> ClusterEnv:
         return self

@@ -7,7 +7,9 @@ map through it (a type checker then checks the keys), receivers read it through
 declaration (:func:`check_meta`), before any handler sees it.
 
 ``seq`` may be in any message: the learner numbers each call and workers echo the number,
-so that a reply to an abandoned call is told apart.
+so that a reply to an abandoned call is told apart. ``slot`` names the worker whose envs a
+message is for (or from) when the process that receives (or sends) it runs more than one
+worker's envs: the envs of lost workers re-homed onto it (``on_worker_failure="rehome"``).
 """
 
 from collections.abc import Mapping
@@ -42,9 +44,10 @@ __all__ = [
 
 
 class Empty(TypedDict):
-    """No meta but the call number."""
+    """No meta but the call number (and the slot, for a worker's envs re-homed onto another process)."""
 
     seq: NotRequired[int | None]
+    slot: NotRequired[int]
 
 
 # -- learner → worker --------------------------------------------------------------------------

@@ -70,9 +70,10 @@ __all__ = [
     "verify",
 ]
 
-#: Bumped whenever a message's content changes (4: infos travel packed, see ``wire/infos.py``),
-#: so that a learner and a worker of different versions refuse each other with a clear error.
-PROTOCOL_VERSION = 4
+#: Bumped whenever a message's content changes (4: infos travel packed, see ``wire/infos.py``;
+#: 5: any message may name a re-homed worker's ``slot``), so that a learner and a worker of
+#: different versions refuse each other with a clear error.
+PROTOCOL_VERSION = 5
 MAX_HEADER_BYTES = 64 * 1024
 #: The largest integer a header can carry (msgpack's uint64); the smallest is -2**63.
 MAX_HEADER_INT = 2**64 - 1

@@ -29,18 +29,50 @@ __all__ = ["Mailbox", "Worker"]
 
 
 class Mailbox:
-    """The worker's side of the channel, with a queue so that a long command can read what arrives meanwhile.
+    """The worker process's side of the channel, with a queue so that a long command can read what arrives meanwhile.
 
     A prefetched rollout calls :meth:`poll` between steps: kinds in ``urgent`` (new
     weights, the learner's probe outputs) are handled at once; a CLOSE jumps the queue
     and sets ``closing``; anything else waits its turn.
+
+    A process serves its own worker's envs, and (``on_worker_failure="rehome"``) those of lost
+    workers that the learner moved onto it, each as a :class:`Worker` of its own: a message
+    whose meta names a ``slot`` is for that worker, and its replies name the slot back.
     """
 
-    def __init__(self, channel: Channel, worker: Worker) -> None:
-        self.channel, self.worker = channel, worker
+    def __init__(self, channel: Channel, make_worker: Callable[[int], Worker]) -> None:
+        self.channel = channel
+        self._make_worker = make_worker
+        #: The process's own worker (the one it joined as; its id comes with its INIT).
+        self.worker = self._new_worker(-1)
+        #: The workers re-homed onto this process, by slot.
+        self.hosted: dict[int, Worker] = {}
         self.queue: deque[Message] = deque()
         self.closing = False
         self.seq: Any = None  # of the command being handled: the learner matches replies by it
+
+    def worker_for(self, msg: Message) -> Worker:
+        """The worker whose envs ``msg`` is for; an INIT naming a new slot creates it."""
+        slot = msg.meta.get("slot")
+        if slot is None:
+            return self.worker
+        worker = self.hosted.get(slot)
+        if worker is None:
+            worker = self._new_worker(slot)
+            worker.tag = {"slot": slot}
+            if msg.kind is Kind.INIT:
+                self.hosted[slot] = worker
+        return worker
+
+    def _new_worker(self, worker_id: int) -> Worker:
+        worker = self._make_worker(worker_id)
+        worker.mailbox = self
+        return worker
+
+    @property
+    def workers(self) -> list[Worker]:
+        """Every worker this process serves."""
+        return [self.worker, *self.hosted.values()]
 
     def take(self, timeout: float) -> Message | None:
         """The next command: queued first, else from the socket within ``timeout`` seconds."""
@@ -56,14 +88,16 @@ class Mailbox:
             if msg.kind is Kind.CLOSE:
                 self.closing = True
                 self.queue.appendleft(msg)
-            elif msg.kind in self.worker.urgent:
-                self.worker.handle(msg)
+                continue
+            worker = self.worker_for(msg)
+            if msg.kind in worker.urgent:
+                worker.handle(msg)
             else:
                 self.queue.append(msg)
 
-    def send(self, reply: Message) -> None:
-        """Send a message of the worker's own (a weight pull) outside the command-reply pattern."""
-        self.channel.send(reply.kind, {**reply.meta, "seq": self.seq}, reply.arrays, reply.blobs)
+    def send(self, reply: Message, sender: Worker) -> None:
+        """Send ``sender``'s reply to the command being handled (or a message of its own, a weight pull)."""
+        self.channel.send(reply.kind, {**reply.meta, **sender.tag, "seq": self.seq}, reply.arrays, reply.blobs)
 
 
 class Worker:
@@ -87,6 +121,7 @@ class Worker:
         self.shared_obs = False  # observations are written into the learner's shared batch
         self.never_reset = True  # a fresh (or replacement) worker's envs have no observation yet
         self.urgent: set[Kind] = set()  # kinds a long command handles as soon as they arrive (Mailbox.poll)
+        self.tag: dict[str, int] = {}  # what its messages carry to name it: a re-homed worker's slot
         self.mailbox: Mailbox
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -183,6 +218,10 @@ class Worker:
         assert meta["name"] is not None
         self.envs.set_attr_at(meta["indices"], meta["name"], list(pickle.loads(msg.blobs[0])))
         return Message(Kind.VALUE, blobs=[cloudpickle.dumps(None)])
+
+    def send(self, reply: Message) -> None:
+        """Send a message of this worker's own (a weight pull) outside the command-reply pattern."""
+        self.mailbox.send(reply, self)
 
     def close(self) -> None:
         """Close the envs."""

@@ -133,7 +133,7 @@ class _WorkerPolicy:
         )
         if pull and not self.pull_outstanding:
             self.pull_outstanding = True
-            mailbox.send(
+            self.worker.send(
                 Message(Kind.WEIGHTS_REQUEST, WeightsRequestMeta(kl=request["kl"], version=self.policy.version))
             )
         reply, obs = self._act(request, between_steps=mailbox.poll)

@@ -43,16 +43,17 @@ IDLE_CHECK_INTERVAL_S = 0.5
 _EXIT_LINGER_MS = 500
 
 
-def _learner_lost(worker: Worker) -> int:
+def _learner_lost(mailbox: Mailbox) -> int:
     """Close the envs of a worker whose learner is gone, and what the learner left on this host; the exit status.
 
     Nobody is left to report a failure to. The learner's scratch directories (ipc sockets,
     shared observations) are removed once its process is gone: it could not remove them itself.
     """
-    try:
-        worker.close()
-    except Exception:
-        logger.warning("Closing the envs failed.", exc_info=True)
+    for worker in mailbox.workers:
+        try:
+            worker.close()
+        except Exception:
+            logger.warning("Closing the envs failed.", exc_info=True)
     remove_stale_dirs()
     return LEARNER_LOST_EXIT_CODE
 
@@ -96,9 +97,15 @@ def serve(
     identity = new_identity(worker_id)
     curve = Curve.from_secret(key) if encrypt else None
     channel = Channel.connect_dealer(context, address, key, identity, curve=curve)
-    worker = Worker(-1 if worker_id is None else worker_id, procs)
-    worker.mailbox = mailbox = Mailbox(channel, worker)
-    install_policy_handlers(worker)  # the local-policy commands (SET_POLICY, SET_WEIGHTS, ROLLOUT)
+
+    def make_worker(slot: int) -> Worker:
+        worker = Worker(slot, procs)
+        install_policy_handlers(worker)  # the local-policy commands (SET_POLICY, SET_WEIGHTS, ROLLOUT)
+        return worker
+
+    mailbox = Mailbox(channel, make_worker)
+    own = mailbox.worker
+    own.worker_id = -1 if worker_id is None else worker_id
     heart: HeartbeatClient | None = None
     join_deadline = None if join_timeout is None else time.monotonic() + join_timeout
     try:
@@ -106,18 +113,18 @@ def serve(
         while True:
             msg = mailbox.take(IDLE_CHECK_INTERVAL_S)
             if heart is not None and heart.learner_lost.is_set():
-                return _learner_lost(worker)  # while the watchdog waits: if closing hangs, it ends the process
+                return _learner_lost(mailbox)  # while the watchdog waits: if closing hangs, it ends the process
             if msg is None:
                 if parent_pid is not None and os.getppid() != parent_pid:
-                    logger.warning("Worker %d: learner process %d is gone; exiting.", worker.worker_id, parent_pid)
-                    return _learner_lost(worker)
+                    logger.warning("Worker %d: learner process %d is gone; exiting.", own.worker_id, parent_pid)
+                    return _learner_lost(mailbox)
                 if heart is None and join_deadline is not None and time.monotonic() > join_deadline:
                     logger.error("No learner at %s sent work within %.1f s; exiting.", address, join_timeout)
                     return LEARNER_LOST_EXIT_CODE
                 continue
             if msg.kind is Kind.INIT and heart is None:
                 init = meta_of(msg, InitMeta)
-                worker.worker_id = init["worker_id"]
+                own.worker_id = init["worker_id"]
                 # Started before the envs are built: building them may take long.
                 config = Heartbeat(**init["heartbeat"])
                 endpoint, session = init["heartbeat_endpoint"], channel.heartbeat_session()
@@ -125,10 +132,12 @@ def serve(
                     context, address, endpoint, session, identity, config, parent_pid=parent_pid, curve=curve
                 )
             if msg.kind is Kind.CLOSE:
-                worker.close()
+                for worker in mailbox.workers:
+                    worker.close()
                 channel.send(Kind.CLOSED)
                 return 0
-            seq = mailbox.seq = msg.meta.get("seq")
+            mailbox.seq = msg.meta.get("seq")
+            worker = mailbox.worker_for(msg)
             worker.tracker.forget()
             try:
                 reply = worker.handle(msg)
@@ -141,9 +150,10 @@ def serve(
             except Exception as exc:
                 reply = _error_reply(worker, exc)
             if reply is not None:
-                channel.send(reply.kind, {**reply.meta, "seq": seq}, reply.arrays, reply.blobs)
+                mailbox.send(reply, worker)
     finally:
-        worker.terminate()  # after a CLOSE there is nothing left to end
+        for worker in mailbox.workers:
+            worker.terminate()  # after a CLOSE there is nothing left to end
         if heart is not None:
             heart.close()
         channel.close(linger=_EXIT_LINGER_MS)
