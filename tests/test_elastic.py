@@ -13,11 +13,13 @@ import os
 import signal
 import tempfile
 import threading
+import time
 from contextlib import closing
 
 import gymnasium as gym
 import numpy as np
 import pytest
+from gymnasium.error import AlreadyPendingCallError
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 from clusterenv import ClusterEnv, PolicyRunner, WorkerLostError
@@ -26,6 +28,8 @@ from clusterenv.wire.liveness import Heartbeat
 from tests.conftest import assert_same, child_pids, pid_alive, wait_until
 from tests.envs import SlowCartPole
 from tests.policies import linear_policy
+from tests.test_remote import FAST as REMOTE_FAST
+from tests.test_remote import SECRET, free_address, spawn, worker_command  # noqa: F401 (fixture)
 
 FAST = Heartbeat(interval=0.1, liveness=10)  # a silent worker is lost after 1 s
 NUM_ENVS, NUM_WORKERS = 16, 8
@@ -220,3 +224,107 @@ def test_a_loss_that_leaves_fewer_than_min_workers_raises_naming_who_was_lost():
 def test_min_workers_must_be_between_one_and_num_workers():
     with pytest.raises(ValueError, match=r"`min_workers` must be between 1 and `num_workers` \(2\), got 3"):
         ClusterEnv(CARTPOLE[:4], num_workers=2, on_worker_failure="rehome", min_workers=3)
+
+
+def test_two_workers_that_join_mid_run_take_envs_and_every_env_stays_exact_up_to_its_cut(spawn):  # noqa: F811 (the fixture)
+    """Start with 4 worker processes for 6 workers' envs; 2 more connect; rebalance() spreads the load."""
+    address = free_address()
+    fns = [functools.partial(gym.make, "CartPole-v1")] * 12  # 6 workers of 2 envs
+    first = [spawn(worker_command(address, "--worker-id", str(w))) for w in range(4)]
+    with (
+        ClusterEnv(
+            fns,
+            num_workers=6,
+            bind=address,
+            secret=SECRET,
+            launcher="external",
+            on_worker_failure="rehome",
+            min_workers=4,
+            start_timeout=3,
+            heartbeat=REMOTE_FAST,
+        ) as envs,
+        closing(SyncVectorEnv(fns)) as reference,
+    ):
+        started = {w["worker_id"]: w for w in envs.worker_info}
+        assert sorted(started) == [0, 1, 2, 3] and [started[w]["serves"] for w in (0, 1)] == [[0, 4], [1, 5]]
+        assert_same(envs.reset(seed=8), reference.reset(seed=8))
+        for t in range(3):
+            assert_same(envs.step(ACTIONS[t][:12]), reference.step(ACTIONS[t][:12]))
+        last_obs = envs.step(ACTIONS[3][:12])[0]
+        reference.step(ACTIONS[3][:12])
+
+        late = [spawn(worker_command(address, "--worker-id", "4")), spawn(worker_command(address))]
+        moved = []
+        assert wait_until(lambda: moved.extend(envs.rebalance(wait=1.0)) or len(moved) == 2, timeout=30), moved
+        assert sorted(moved) == [4, 5]
+        described = {w["worker_id"]: w for w in envs.worker_info}
+        assert all(w["state"] == "active" and len(w["env_ids"]) == 2 for w in described.values()), described
+        assert {described[w]["pid"] for w in described} == {p.pid for p in first + late}
+        assert described[4]["serves"] == [4]  # the joiner that asked for id 4 got worker 4's envs back
+
+        cut = np.isin(np.arange(12), [8, 9, 10, 11])
+        obs, rewards, terminations, truncations, infos = envs.step(ACTIONS[4][:12])
+        ref_obs, ref_rewards, *_ = reference.step(ACTIONS[4][:12])
+        assert_same(obs[~cut], ref_obs[~cut]) and assert_same(rewards[~cut], ref_rewards[~cut])
+        assert truncations[cut].all() and (rewards[cut] == 0).all() and not terminations[cut].any()
+        assert infos["worker_restarted"].tolist() == cut.tolist()
+        assert_same(obs[cut], last_obs[cut])  # NEXT_STEP: the last observation received; the next step resets
+        for t in range(5, 10):
+            obs, rewards, _, _, infos = envs.step(ACTIONS[t][:12])
+            ref_obs, ref_rewards, *_ = reference.step(ACTIONS[t][:12])
+            assert_same(obs[~cut], ref_obs[~cut])
+            assert "worker_restarted" not in infos and (rewards[cut] == (0 if t == 5 else 1)).all()
+    assert all(p.wait(timeout=10) == 0 for p in first + late)
+
+
+def test_rebalance_needs_rehome_and_no_call_in_flight():
+    with ClusterEnv(CARTPOLE[:4], num_workers=2) as envs:
+        with pytest.raises(ValueError, match="needs on_worker_failure='rehome', got 'raise'"):
+            envs.rebalance()
+    with rehoming(CARTPOLE, batch_size=8) as envs:
+        assert envs.rebalance() == []  # nobody joined, and the load is even
+        envs.async_reset(seed=0)
+        with pytest.raises(AlreadyPendingCallError, match="Calling `rebalance` while 8 workers' envs are in flight"):
+            envs.rebalance()
+
+
+def test_hosts_that_come_back_take_their_envs_back_between_first_ready_batches(spawn):  # noqa: F811 (the fixture)
+    address = free_address()
+    with rehoming(CARTPOLE, batch_size=4, bind=address, secret=SECRET) as envs:
+        envs.async_reset(seed=0)
+        for _ in range(NUM_WORKERS // 2):
+            envs.recv()
+        for ids in np.arange(NUM_ENVS).reshape(-1, 4):
+            envs.send(np.zeros(4, dtype=np.int64), ids)
+        kill(envs)  # mid-step: their envs come back from recv() cut
+        cut: set[int] = set()
+
+        def cycle_until_cut() -> None:
+            """recv/send until the moved envs' cut episodes are reported (each once); the other envs go on."""
+            deadline = time.monotonic() + 30
+            while cut != set(np.flatnonzero(MOVED).tolist()) and time.monotonic() < deadline:
+                obs, rewards, _, truncations, infos, env_ids = envs.recv()
+                if "worker_restarted" in infos:
+                    assert truncations[infos["worker_restarted"]].all()
+                    newly = env_ids[infos["worker_restarted"]].tolist()
+                    assert not cut.intersection(newly)
+                    cut.update(newly)
+                envs.send(np.zeros(len(env_ids), dtype=np.int64), env_ids)
+
+        cycle_until_cut()
+        assert cut == set(np.flatnonzero(MOVED).tolist())  # moved to survivors, reported once
+        back = [spawn(worker_command(address, "--worker-id", str(w))) for w in LOST]
+        for _ in range(NUM_WORKERS // 2):  # nothing in flight: rebalance() runs between batches
+            envs.recv()
+        moved: list[int] = []
+        assert wait_until(lambda: moved.extend(envs.rebalance(wait=1.0)) or len(moved) == 2, timeout=30), moved
+        assert sorted(moved) == list(LOST)
+        assert {w["worker_id"]: w["pid"] for w in envs.worker_info if w["worker_id"] in LOST} == {
+            w: p.pid for w, p in zip(LOST, back, strict=True)
+        }
+        cut.clear()
+        for ids in np.arange(NUM_ENVS).reshape(-1, 4):
+            envs.send(np.zeros(4, dtype=np.int64), ids)
+        cycle_until_cut()
+        assert cut == set(np.flatnonzero(MOVED).tolist())  # moved home, reported once more
+    assert all(p.wait(timeout=10) == 0 for p in back)

@@ -137,7 +137,11 @@ class FirstReady:
         replacement's envs the observations the lost worker's would have had.
         """
         if self.in_flight.get(worker_id) == "step":
-            sl = self._slices[worker_id]
-            meta = ResetMeta(seeds=[None] * (sl.stop - sl.start), mask=None)
-            pool.send(worker_id, Kind.RESET, meta, on_loss=OnLoss.REPLAY)
-            self.in_flight[worker_id] = "restarted"
+            self.reset_moved(pool, worker_id)
+
+    def reset_moved(self, pool: WorkerPool, worker_id: int) -> None:
+        """Reset the fresh envs of a replaced or moved worker; recv() reports the cut episodes when they arrive."""
+        sl = self._slices[worker_id]
+        meta = ResetMeta(seeds=[None] * (sl.stop - sl.start), mask=None)
+        pool.send(worker_id, Kind.RESET, meta, on_loss=OnLoss.REPLAY)
+        self.in_flight[worker_id] = "restarted"

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import itertools
 import logging
 import secrets
 import time
@@ -199,6 +200,7 @@ class WorkerPool:
         #: Worker → the process serving it, named by the id it joined as (itself, unless re-homed).
         self.serving: dict[int, int] = {}
         self._retired: dict[int, str] = {}  # processes lost for good (rehome), with how they were lost
+        self._watched: set[int] = set()  # processes whose heartbeats the monitor watches (from their first INIT)
         self._info: dict[int, Mapping[str, Any]] = {}  # each process's HELLO
         self._init_commands: dict[int, tuple[EnvsMeta, list[bytes]]] = {}
         self._last_sent: dict[int, _Sent] = {}
@@ -214,6 +216,7 @@ class WorkerPool:
         # Replies of the current call that arrived while a gather waited for others (streaming calls).
         self._stash: list[tuple[int, Message]] = []
         self._recovering = False
+        self._liveness_due = 0.0  # when receive() next checks every worker's liveness
         self._finalizer = weakref.finalize(self, _shutdown, self.launcher, self._monitor, self._channel, self._context)
 
     @property
@@ -228,16 +231,27 @@ class WorkerPool:
 
     # -- joining ---------------------------------------------------------------------------
     def start(self) -> None:
-        """Start every worker through the launcher and wait for each to join."""
+        """Start every worker through the launcher and wait for each to join.
+
+        Under ``"rehome"`` the run may start with fewer processes: if at least
+        ``min_workers`` joined within ``start_timeout``, the missing workers' envs go to
+        them (least loaded first), and processes that connect later join through
+        :meth:`rebalance`.
+        """
         ids = list(range(self.num_workers))
         self.launcher.start(ids, self.address, self.key)
-        self._join(ids, self.start_timeout)
+        elastic = self.on_worker_failure == "rehome"
+        missing = self._join(ids, self.start_timeout, at_least=self.min_workers if elastic else None)
+        for w in missing:
+            target = self._least_loaded(list(self._peers.values()))
+            self.serving[w], self._identities[w] = target, self._identities[target]
 
-    def _join(self, worker_ids: list[int], timeout: float) -> None:
+    def _join(self, worker_ids: list[int], timeout: float, at_least: int | None = None) -> list[int]:
         """Wait for a HELLO for each id; a worker asking for no id (``clusterenv-worker`` by hand) gets a free one.
 
         Unauthenticated peers never get here (the channel drops them); authenticated ones
-        asking for an id that is taken or not expected are told to CLOSE.
+        asking for an id that is taken or not expected are told to CLOSE. With ``at_least``,
+        a timeout with that many joined returns the ids still missing instead of raising.
         """
         wanted = set(worker_ids)
         deadline = time.monotonic() + timeout
@@ -249,6 +263,14 @@ class WorkerPool:
                         f"{self.launcher.describe(w)} exited with code {code} before joining {self.address}."
                     )
             if time.monotonic() > deadline:
+                if at_least is not None and len(worker_ids) - len(wanted) >= at_least:
+                    logger.warning(
+                        "Starting with %d of %d worker processes; the envs of workers %s go to them until more join.",
+                        len(worker_ids) - len(wanted),
+                        len(worker_ids),
+                        sorted(wanted),
+                    )
+                    return sorted(wanted)
                 hint = getattr(self.launcher, "join_hint", None)
                 raise WorkerStartError(
                     f"{len(worker_ids) - len(wanted)} of {len(worker_ids)} workers joined {self.address} within "
@@ -289,6 +311,110 @@ class WorkerPool:
             self._identities[worker_id], self._peers[sender] = sender, worker_id
             self.serving[worker_id] = worker_id
             self._info[worker_id] = msg.meta
+        return []
+
+    # -- joining mid-run (rehome) -------------------------------------------------------------
+    def rebalance(self, wait: float) -> list[int]:
+        """Admit the worker processes that connected since, then move workers' envs to even the load; the moved workers.
+
+        A process that joins asking for the id of a worker whose envs another process
+        carries gets them back first. Then, while moving one worker from the most loaded
+        process to the least loaded one lowers the larger of the two loads, it is moved
+        (a process's own worker stays). A moved worker's envs are closed where they were
+        and rebuilt, from the same INIT, in their new process, whose restart hooks run.
+
+        Args:
+            wait: if no process has connected yet, wait up to this many seconds for one.
+        """
+        self._admit(wait)
+        live = [p for p in set(self._peers.values()) if p not in self._gone([p])]
+        moves = [(p, p) for p in sorted(live) if p in self.serving and self.serving[p] != p]  # coming home
+        moved = []
+        for worker_id, target in moves:
+            self._move(worker_id, target)
+            moved.append(worker_id)
+        while True:
+            load = self._loads(live)
+            heaviest = max(live, key=lambda p: (load[p], -p))
+            lightest = self._least_loaded(live)
+            guests = [w for w, p in self.serving.items() if p == heaviest and w != heaviest]
+            if not guests:
+                break
+            worker_id = min(guests, key=lambda w: (self._env_counts[w], w))
+            if load[lightest] + self._env_counts[worker_id] >= load[heaviest]:
+                break  # moving it would not lower the larger load
+            self._move(worker_id, lightest)
+            moved.append(worker_id)
+        return moved
+
+    def _admit(self, wait: float) -> None:
+        """Take the HELLOs of processes that connected (kept while busy, or arriving within ``wait`` s if none has)."""
+        deadline = time.monotonic() + wait
+        admitted = 0
+        while True:
+            received: tuple[bytes | None, Message] | None
+            if self._early_hellos:
+                received = self._early_hellos.pop(0)
+            else:
+                # Once one joined, only what else is already there (or completing its handshake).
+                remaining = LIVENESS_POLL_S if admitted else max(0.0, deadline - time.monotonic())
+                received = self._channel.recv(min(remaining, LIVENESS_POLL_S), routed=True)
+                if received is None:
+                    if admitted or time.monotonic() >= deadline:
+                        return
+                    continue
+            sender, msg = received
+            if msg.kind is not Kind.HELLO or sender is None or sender in self._peers:
+                continue  # a late reply to an earlier call, or a stray
+            hello = meta_of(msg, HelloMeta)
+            live = set(self._peers.values())
+            asked = hello["worker_id"]
+            if asked is not None and (asked in live or asked < 0):
+                logger.warning(
+                    "Turned away a worker on %s (pid %s) asking for id %r: a live worker has it.",
+                    hello["host"],
+                    hello["pid"],
+                    asked,
+                )
+                try:
+                    self._channel.send(Kind.CLOSE, {"seq": self.seq}, to=sender)
+                except zmq.ZMQError:
+                    pass
+                continue
+            process = int(asked) if asked is not None else next(i for i in itertools.count() if i not in self._info)
+            self._peers[sender] = process
+            self._info[process] = msg.meta
+            self._retired.pop(process, None)  # a lost worker's id, asked for again (say, by SLURM_PROCID)
+            self._watched.discard(process)
+            admitted += 1
+            logger.info("Worker process %d (%s, pid %s) joined.", process, hello["host"], hello["pid"])
+
+    def _move(self, worker_id: int, target: int) -> None:
+        """Close worker ``worker_id``'s envs where they are and rebuild them, from its INIT, in process ``target``."""
+        logger.info(
+            "Moving worker %d's envs (%s) to worker process %d.", worker_id, self.describe_work(worker_id), target
+        )
+        # A CLOSE naming a worker the process serves for another: it closes those envs and stays.
+        self.send(worker_id, Kind.CLOSE)
+        identity = next(i for i, p in self._peers.items() if p == target)
+        self.serving[worker_id], self._identities[worker_id] = target, identity
+        self._send_init(worker_id, replacement=True)
+        self.gather([worker_id], f"rebuilding the envs of worker {worker_id} in worker {target}", self.start_timeout)
+        for hook in self._restart_hooks:
+            hook(worker_id)
+
+    def _loads(self, processes: Iterable[int]) -> collections.Counter[int]:
+        """How many envs each of ``processes`` steps."""
+        load = collections.Counter(dict.fromkeys(processes, 0))
+        for w, p in self.serving.items():
+            if p in load:
+                load[p] += self._env_counts[w]
+        return load
+
+    def _least_loaded(self, processes: list[int]) -> int:
+        """The process among ``processes`` that steps the fewest envs (the lowest id among equals)."""
+        load = self._loads(processes)
+        return min(processes, key=lambda p: (load[p], p))
 
     def send_init(self, worker_id: int, meta: EnvsMeta, blobs: list[bytes]) -> None:
         """Send a worker its INIT (kept, to build a replacement the same way) and start watching its heartbeats."""
@@ -298,9 +424,11 @@ class WorkerPool:
     def _send_init(self, worker_id: int, *, replacement: bool) -> None:
         meta, blobs = self._init_commands[worker_id]
         identity = self._identities[worker_id]
-        if self.serving[worker_id] == worker_id:
-            # The worker starts beating on receipt, with the heartbeat keys agreed when it joined.
-            self._monitor.watch(worker_id, identity, self._channel.heartbeat_session(identity))
+        process = self.serving[worker_id]
+        if process not in self._watched:
+            # The process starts beating on its first INIT, with the heartbeat keys agreed when it joined.
+            self._monitor.watch(process, identity, self._channel.heartbeat_session(identity))
+            self._watched.add(process)
         init = InitMeta(
             **meta,
             worker_id=worker_id,
@@ -326,7 +454,7 @@ class WorkerPool:
                     "worker_id": process,
                     "host": info.get("host"),
                     "pid": info.get("pid"),
-                    "state": "lost" if process in self._retired else "active",
+                    "state": "lost" if process in self._retired else "active" if serves else "idle",
                     "serves": sorted(serves),
                     "lost_because": self._retired.get(process),
                     "silent_s": None if process in self._retired else self._monitor.silence(process),
@@ -483,12 +611,15 @@ class WorkerPool:
         while True:
             if self._stash:
                 return self._stash.pop(0)
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            received = self._next_reply(
-                doing, LIVENESS_POLL_S if remaining is None else min(LIVENESS_POLL_S, remaining)
-            )
-            if received is not None:
-                return received
+            # Also checked while replies keep coming: a dead worker must not go unnoticed behind busy ones.
+            if time.monotonic() < self._liveness_due:
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                received = self._next_reply(
+                    doing, LIVENESS_POLL_S if remaining is None else min(LIVENESS_POLL_S, remaining)
+                )
+                if received is not None:
+                    return received
+            self._liveness_due = time.monotonic() + LIVENESS_POLL_S
             lost = self._check_alive(set(self._identities), doing)
             if lost:
                 replayed: dict[int, Message] = {}
@@ -641,6 +772,7 @@ class WorkerPool:
         logger.warning("Starting a replacement for worker %d (%s).", worker_id, self.describe_work(worker_id))
         self.launcher.kill(worker_id)
         self._monitor.forget(worker_id)
+        self._watched.discard(worker_id)
         old = self._identities.pop(worker_id, None)
         self._peers.pop(old or b"", None)
         if old is not None:
@@ -663,11 +795,7 @@ class WorkerPool:
                 doing,
                 f" {len(survivors)} worker processes survive, fewer than min_workers={self.min_workers}.",
             )
-        load = collections.Counter({p: 0 for p in survivors})
-        for w, p in self.serving.items():
-            if p in load:
-                load[p] += self._env_counts[w]
-        target = min(survivors, key=lambda p: (load[p], p))
+        target = self._least_loaded(survivors)
         logger.warning(
             "Moving worker %d's envs (%s) to worker process %d (%s).",
             worker_id,
@@ -686,6 +814,7 @@ class WorkerPool:
         self._retired[process] = self._how_lost(process)
         self.launcher.kill(process)
         self._monitor.forget(process)
+        self._watched.discard(process)
         identity = next(i for i, p in self._peers.items() if p == process)
         del self._peers[identity]
         self._channel.forget(identity)

@@ -417,6 +417,7 @@ class PolicyRunner:
             num_steps=num_steps, learner_version=self._version, head=head.to_meta(), probe_steps=self.probe_steps
         )
         with envs.pending_call() as pool:
+            envs.note_cuts_reported(range(pool.num_workers))  # a moved worker's rollout starts new episodes, flagged
             for w, probe in enumerate(outputs):
                 # A replacement gets the policy again (the restart hook), then this rollout on its fresh envs.
                 pool.send(w, Kind.ROLLOUT, meta, [] if probe is None else [probe], on_loss=OnLoss.REPLAY)
@@ -437,6 +438,7 @@ class PolicyRunner:
                 self.envs.reset(seed=self.seed)
             stream.hold = contextlib.ExitStack()
             stream.hold.enter_context(self.envs.pending_call("a prefetching PolicyRunner; call runner.stop() first"))
+            self.envs.note_cuts_reported(range(self.envs.num_workers))  # the first rollouts start new episodes there
             stream.num_steps, stream.started = num_steps, True
         pool = self.envs.pool
         for w in worker_ids:

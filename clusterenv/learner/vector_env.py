@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import cloudpickle
@@ -185,6 +185,9 @@ class ClusterEnv(VectorEnv):
         self._first_ready = FirstReady(self._slices, self.num_envs)
         self._observation_mode = observation_mode
         self._pending: list[int] = []  # the workers whose replies the pending call waits for
+        # Workers moved by rebalance(): their envs are fresh, so their next step reports the cut episodes.
+        self._cut_pending: set[int] = set()
+        self._cut_now: list[int] = []  # those the pending step reports
         self._pending_indices: list[int] | None = None  # the envs a pending call_async asked, in order
 
         self._pool = WorkerPool(
@@ -361,6 +364,7 @@ class ClusterEnv(VectorEnv):
             Kind.RESET, commands, OnLoss.REPLAY
         )  # all or none: a partial reset would desynchronize the envs
         self._pending = list(commands)
+        self._cut_pending -= {w for w in commands if mask is None or mask[self._slices[w]].all()}
         if mask is None:
             self._buffers.rewards[:] = 0.0
         self._state = AsyncState.WAITING_RESET
@@ -385,16 +389,19 @@ class ClusterEnv(VectorEnv):
         self._begin(AsyncState.WAITING_STEP, "step_async")  # a pending reset is reported first, as Async does
         if self._needs_reset:
             raise ResetNeeded("Cannot call `step` before `reset`: the environments have not been reset yet.")
+        # Moved workers' fresh envs do not step: this step reports their cut episodes.
+        stepping = [w for w in range(self.num_workers) if w not in self._cut_pending]
         if self._action_specs is None:  # no fixed array form (Text, Graph, ...): each env's action, pickled
             items = action_items(actions, self.action_space, self.num_envs)
             commands: dict[int, Command] = {
-                w: (None, (), [pickle_argument(items[sl], "actions")]) for w, sl in enumerate(self._slices)
+                w: (None, (), [pickle_argument(items[self._slices[w]], "actions")]) for w in stepping
             }
         else:
             leaves = check_actions(actions, self.single_action_space, self._action_specs, self.num_envs)
-            commands = {w: (None, [leaf[sl] for leaf in leaves], ()) for w, sl in enumerate(self._slices)}
+            commands = {w: (None, [leaf[self._slices[w]] for leaf in leaves], ()) for w in stepping}
         self._pool.send_each(Kind.STEP, commands, OnLoss.INTERRUPT)  # the cut episodes are reported as truncated
-        self._pending = list(range(self.num_workers))
+        self._pending = stepping
+        self._cut_now, self._cut_pending = sorted(self._cut_pending), set()
         self._state = AsyncState.WAITING_STEP
 
     def step_wait(self, timeout: float | None = None) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
@@ -403,7 +410,8 @@ class ClusterEnv(VectorEnv):
         replies = self._pool.gather(self._pending, "stepping", self.timeout if timeout is None else timeout)
         self._state = AsyncState.DEFAULT
         infos = self._collect(replies, step=True)
-        interrupted = self._pool.take_interrupted()
+        interrupted = sorted({*self._pool.take_interrupted(), *self._cut_now})
+        self._cut_now = []
         if interrupted:
             infos = self._report_interrupted(infos, interrupted)
         buffers = self._buffers
@@ -473,9 +481,15 @@ class ClusterEnv(VectorEnv):
         if not self._first_ready.busy_workers():
             self._begin(AsyncState.WAITING_STEP, "send")
             self._state = AsyncState.WAITING_STEP
-        # A replacement's envs are reset by the restart hook, and recv() reports their cut episodes.
-        self._pool.send_each(Kind.STEP, self._first_ready.step_commands(leaves, plan), OnLoss.REISSUE)
-        self._first_ready.in_flight.update((w, "step") for w, _ in plan)
+        # A replacement's envs are reset by the restart hook, and recv() reports their cut episodes;
+        # a moved worker's (rebalance) are reset here, and reported the same way.
+        moved = [(w, rows) for w, rows in plan if w in self._cut_pending]
+        stepping = [(w, rows) for w, rows in plan if w not in self._cut_pending]
+        self._pool.send_each(Kind.STEP, self._first_ready.step_commands(leaves, stepping), OnLoss.REISSUE)
+        self._first_ready.in_flight.update((w, "step") for w, _ in stepping)
+        for w, _ in moved:
+            self._first_ready.reset_moved(self._pool, w)
+            self._cut_pending.discard(w)
 
     def recv(self, timeout: float | None = None) -> Ready:
         """The results of the first ``batch_size`` envs to be ready: ``(obs, rewards, terminations, truncations, infos, env_ids)``.
@@ -497,6 +511,45 @@ class ClusterEnv(VectorEnv):
         if not self._first_ready.busy_workers():
             self._state = AsyncState.DEFAULT
         return self._first_ready.assemble(ready, self._buffers)
+
+    # -- elastic fleet (on_worker_failure="rehome") ---------------------------------------------
+    def rebalance(self, wait: float = 0.0) -> list[int]:
+        """Let worker processes that connected mid-run take envs; returns the workers whose envs moved.
+
+        A process started with ``clusterenv-worker --connect ...`` (or a new Ray actor) after
+        the start is admitted here, after the same authentication as at the start. It first
+        takes back the envs of the worker whose id it asked for, if another process carries
+        them; then whole workers' envs move from the most loaded processes to the least
+        loaded ones while that lowers the larger load. Nothing moves on its own: call this
+        between steps (or rollouts) when you want joiners to take load.
+
+        A moved worker's envs are rebuilt from their factories in the new process and start
+        new episodes: the next ``step`` (or ``recv``, or ``PolicyRunner`` rollout) reports
+        the cut episodes truncated and flagged ``infos["worker_restarted"]``, as a restart
+        does, and a ``reset`` simply resets them. Needs ``on_worker_failure="rehome"``.
+
+        Args:
+            wait: if no process has connected yet, wait up to this many seconds for one.
+        """
+        if self.on_worker_failure != "rehome":
+            raise ValueError(
+                "rebalance() moves envs between worker processes, which needs on_worker_failure='rehome', got "
+                f"{self.on_worker_failure!r}."
+            )
+        if wait != 0:
+            wait = check_seconds("wait", wait, allow_none=False)
+        self._begin(AsyncState.WAITING_CALL, "rebalance")
+        self._state = AsyncState.WAITING_CALL
+        try:
+            moved = self._pool.rebalance(wait)
+        finally:
+            self._state = AsyncState.DEFAULT
+        self._cut_pending.update(moved)
+        return moved
+
+    def note_cuts_reported(self, worker_ids: Iterable[int]) -> None:
+        """For extensions: these workers' moved envs had their cut reported another way (a rollout on fresh envs)."""
+        self._cut_pending.difference_update(worker_ids)
 
     def _reset_replacement_in_flight(self, worker_id: int) -> None:
         self._first_ready.reset_replacement(self._pool, worker_id)

@@ -69,6 +69,12 @@ class Mailbox:
         worker.mailbox = self
         return worker
 
+    def drop(self, slot: int) -> None:
+        """Close the envs this process steps for worker ``slot``: the learner moved them to another process."""
+        worker = self.hosted.pop(slot, None)
+        if worker is not None:
+            worker.close()
+
     @property
     def workers(self) -> list[Worker]:
         """Every worker this process serves."""
@@ -85,7 +91,7 @@ class Mailbox:
         """Read what has arrived, without waiting."""
         while (received := self.channel.recv(0, routed=False)) is not None:
             msg = received[1]
-            if msg.kind is Kind.CLOSE:
+            if msg.kind is Kind.CLOSE and "slot" not in msg.meta:
                 self.closing = True
                 self.queue.appendleft(msg)
                 continue

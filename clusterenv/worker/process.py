@@ -122,15 +122,19 @@ def serve(
                     logger.error("No learner at %s sent work within %.1f s; exiting.", address, join_timeout)
                     return LEARNER_LOST_EXIT_CODE
                 continue
+            if msg.kind is Kind.INIT and "slot" not in msg.meta:
+                own.worker_id = meta_of(msg, InitMeta)["worker_id"]
             if msg.kind is Kind.INIT and heart is None:
                 init = meta_of(msg, InitMeta)
-                own.worker_id = init["worker_id"]
                 # Started before the envs are built: building them may take long.
                 config = Heartbeat(**init["heartbeat"])
                 endpoint, session = init["heartbeat_endpoint"], channel.heartbeat_session()
                 heart = HeartbeatClient(
                     context, address, endpoint, session, identity, config, parent_pid=parent_pid, curve=curve
                 )
+            if msg.kind is Kind.CLOSE and "slot" in msg.meta:
+                mailbox.drop(msg.meta["slot"])  # the learner moved that worker's envs to another process
+                continue
             if msg.kind is Kind.CLOSE:
                 for worker in mailbox.workers:
                     worker.close()
