@@ -1,12 +1,13 @@
-"""A run that loses a quarter of its workers for good, and one that freezes: throughput before and after.
+"""A run that loses workers for good, one of them frozen, then gains two: throughput in each phase.
 
 ``ClusterEnv(on_worker_failure="rehome")`` with 8 workers of 2 ``SleepEnv`` each (a step
-waits ``--step-ms`` without using CPU, as a remote simulator does). During the run, one
-worker is SIGKILLed, one SIGKILLed while stepping, and one frozen with SIGSTOP (lost once
-its heartbeats stop); their envs move to the survivors. The table compares the steps/s
-after the losses with what the survivors' share of the workers predicts
-(``before × survivors / workers``), measured in the same run; it also checks that every
-cut episode was flagged.
+waits ``--step-ms`` without using CPU, as a remote simulator does). A quarter of the way
+in, one worker is SIGKILLed, one SIGKILLed while stepping, and one frozen with SIGSTOP
+(lost once its heartbeats stop); their envs move to the survivors. Halfway, two new
+worker processes connect (``clusterenv-worker --connect``) and ``envs.rebalance()`` gives
+them envs. The table compares the steps/s of each phase with what its share of live
+workers predicts (``before × live / workers``), measured in the same run, and checks that
+every cut episode (lost, then moved to a joiner) was flagged.
 
     python benchmarks/elastic.py                 # 20,000 batch steps, 3 runs, a few minutes
     python benchmarks/elastic.py --quick         # a smoke run
@@ -21,6 +22,7 @@ import os
 import platform
 import signal
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,6 +36,7 @@ from bench_envs import SleepEnv  # noqa: E402
 
 from clusterenv import ClusterEnv  # noqa: E402
 from clusterenv.wire.liveness import Heartbeat  # noqa: E402
+from clusterenv.wire.transport import SECRET_ENV_VAR  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -53,24 +56,44 @@ class Args:
 
 
 def one_run(args: Args) -> dict[str, float]:
-    """Steps/s before the first loss and after the last, and the cuts flagged."""
+    """Steps/s before the losses, after them, and after two processes joined; the cuts flagged."""
     num_envs = args.workers * args.envs_per_worker
-    quarter = args.steps // 4
-    # step -> (worker, how): a quarter of the run in, three losses a few hundred steps apart.
+    quarter, half = args.steps // 4, args.steps // 2
+    # step -> (worker, how): three losses a few hundred steps apart, a quarter of the run in.
     casualties = {quarter: (1, "kill"), quarter + 300: (4, "kill mid-step"), quarter + 600: (6, "freeze")}
     fns = [functools.partial(SleepEnv, args.step_ms)] * num_envs
     heartbeat = Heartbeat(interval=0.1, liveness=10)  # a frozen worker is lost after 1 s
+    secret = os.urandom(16).hex()
     marks: dict[int, float] = {}
-    flagged = 0
-    with ClusterEnv(fns, num_workers=args.workers, on_worker_failure="rehome", heartbeat=heartbeat) as envs:
+    flagged, joiners, moved = 0, [], []
+    envs = ClusterEnv(
+        fns,
+        num_workers=args.workers,
+        on_worker_failure="rehome",
+        heartbeat=heartbeat,
+        bind="tcp://127.0.0.1:*",
+        secret=secret,
+    )
+    try:
         envs.reset(seed=0)
         actions = np.zeros(num_envs, dtype=np.int64)
         for t in range(args.steps):
             marks[t] = time.perf_counter()
+            if t == half:  # two hosts join: they take envs at the next rebalance()
+                joiners = [
+                    subprocess.Popen(
+                        [sys.executable, "-m", "clusterenv.worker", "--connect", envs.address],
+                        env={**os.environ, SECRET_ENV_VAR: secret, "PYTHONPATH": os.pathsep.join(sys.path)},
+                    )
+                    for _ in range(2)
+                ]
+                deadline = time.monotonic() + 60
+                while len(moved) < 2 and time.monotonic() < deadline:
+                    moved += envs.rebalance(wait=1.0)
+                marks[t] = time.perf_counter()  # the joiners' start-up is not the run's throughput
             if t in casualties:
                 victim, how = casualties[t]
-                pid = envs.worker_info[victim]["pid"]
-                os.kill(pid, signal.SIGSTOP if how == "freeze" else signal.SIGKILL)
+                os.kill(envs.worker_info[victim]["pid"], signal.SIGSTOP if how == "freeze" else signal.SIGKILL)
                 if how == "kill mid-step":
                     envs.step_async(actions)
                     result = envs.step_wait()
@@ -82,21 +105,31 @@ def one_run(args: Args) -> dict[str, float]:
             if "worker_restarted" in infos:
                 flagged += int(infos["worker_restarted"].sum())
         marks[args.steps] = time.perf_counter()
-        lost = [w["worker_id"] for w in envs.worker_info if w["state"] == "lost"]
-    # Windows clear of the start (warm-up) and of the losses (detection, rebuilding the envs).
-    before = (quarter - quarter // 4) / (marks[quarter] - marks[quarter // 4])
-    after_start = quarter + 600 + (args.steps - quarter - 600) // 4
-    after = (args.steps - after_start) / (marks[args.steps] - marks[after_start])
-    survivors = args.workers - len(lost)
-    predicted = before * survivors / args.workers
+        states = [w["state"] for w in envs.worker_info]
+    finally:
+        envs.close()
+        for process in joiners:
+            process.wait(timeout=30)
+
+    def rate(start: int, stop: int) -> float:
+        return (stop - start) / (marks[stop] - marks[start])
+
+    # Windows clear of the warm-up, of the losses (detection, rebuilding) and of the moves.
+    before = rate(quarter // 4, quarter)
+    after_loss = rate(quarter + 600 + (half - quarter - 600) // 2, half)
+    after_join = rate(half + (args.steps - half) // 4, args.steps)
+    lost, live = states.count("lost"), states.count("active")
     return {
         "before": before,
-        "after": after,
-        "predicted": predicted,
-        "ratio": after / predicted,
-        "lost": len(lost),
+        "after_loss": after_loss,
+        "predicted_after_loss": before * (args.workers - lost) / args.workers,
+        "after_join": after_join,
+        "predicted_after_join": before * live / args.workers,
+        "lost": lost,
+        "live_at_end": live,
+        "moved_to_joiners": len(moved),
         "flagged": flagged,
-        "expected_flags": len(casualties) * args.envs_per_worker,
+        "expected_flags": (len(casualties) + len(moved)) * args.envs_per_worker,
     }
 
 
@@ -108,14 +141,20 @@ def main(args: Args) -> None:
     median = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
     lines = [
         f"`{command}` — {args.workers} workers × {args.envs_per_worker} SleepEnv ({args.step_ms:g} ms), "
-        f'{args.steps:,} batch steps, `on_worker_failure="rehome"`; 3 workers lost a quarter of the way in '
-        f"(SIGKILL, SIGKILL mid-step, SIGSTOP); median of {args.repeats} runs; {os.cpu_count()} cores, "
-        f"Python {platform.python_version()}.",
+        f'{args.steps:,} batch steps, `on_worker_failure="rehome"`: 3 workers lost a quarter of the way in '
+        f"(SIGKILL, SIGKILL mid-step, SIGSTOP), 2 joined halfway (`rebalance()`); median of {args.repeats} runs; "
+        f"{os.cpu_count()} cores, Python {platform.python_version()}.",
         "",
-        "| steps/s before | steps/s after | predicted by the survivors' share | after / predicted | cut envs flagged |",
+        "| phase | live workers | steps/s | predicted by the live share | measured / predicted |",
         "|---|---|---|---|---|",
-        f"| {median['before']:,.0f} | {median['after']:,.0f} | {median['predicted']:,.0f} | "
-        f"{median['ratio']:.2f} | {min(r['flagged'] for r in runs)} of {runs[0]['expected_flags']} |",
+        f"| before | {args.workers} | {median['before']:,.0f} | | |",
+        f"| after the losses | {args.workers - median['lost']:.0f} | {median['after_loss']:,.0f} | "
+        f"{median['predicted_after_loss']:,.0f} | {median['after_loss'] / median['predicted_after_loss']:.2f} |",
+        f"| after 2 joined | {median['live_at_end']:.0f} | {median['after_join']:,.0f} | "
+        f"{median['predicted_after_join']:,.0f} | {median['after_join'] / median['predicted_after_join']:.2f} |",
+        "",
+        f"Cut envs flagged `worker_restarted`: {min(r['flagged'] for r in runs)} of {runs[0]['expected_flags']} "
+        f"(each run; {runs[0]['moved_to_joiners']} workers' envs moved to the joiners).",
     ]
     table = "\n".join(lines)
     print(table)

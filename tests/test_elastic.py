@@ -328,3 +328,24 @@ def test_hosts_that_come_back_take_their_envs_back_between_first_ready_batches(s
         cycle_until_cut()
         assert cut == set(np.flatnonzero(MOVED).tolist())  # moved home, reported once more
     assert all(p.wait(timeout=10) == 0 for p in back)
+
+
+def test_a_rollout_after_rebalance_reports_the_moved_envs_cut_once(spawn):  # noqa: F811 (the fixture)
+    address = free_address()
+    fns = CARTPOLE[:4]
+    with ClusterEnv(
+        fns, num_workers=2, on_worker_failure="rehome", bind=address, secret=SECRET, heartbeat=FAST
+    ) as envs:
+        envs.reset(seed=0)
+        kill(envs, [1])
+        assert envs.step(ACTIONS[0][:4])[4]["worker_restarted"].tolist() == [False, False, True, True]
+        back = spawn(worker_command(address, "--worker-id", "1"))
+        moved: list[int] = []
+        assert wait_until(lambda: moved.extend(envs.rebalance(wait=1.0)) or moved, timeout=30)
+        assert moved == [1] and envs.worker_info[1]["pid"] == back.pid
+        runner = PolicyRunner(envs, linear_policy(4, 2, seed=0), seed=0)
+        first, second = runner.rollout(5), runner.rollout(5)
+        assert first.infos[0]["worker_restarted"].tolist() == [False, False, True, True]
+        assert "worker_restarted" not in second.infos[0]
+        assert "worker_restarted" not in envs.step(ACTIONS[1][:4])[4]  # the rollout reported the cut
+    assert back.wait(timeout=10) == 0

@@ -144,8 +144,11 @@ class ClusterEnv(VectorEnv):
                 carries the fewest envs, with no new process. Either way the rebuilt envs report
                 the interrupted episode as truncated, with ``infos["worker_restarted"]`` set (exact
                 semantics in docs/guides/fault-tolerance.md).
-            min_workers: with ``"rehome"``, the fewest surviving worker processes to go on with; a
-                loss that leaves fewer raises ``WorkerLostError``, naming who was lost and why.
+            min_workers: with ``"rehome"``, the fewest worker processes to go on with: a loss that
+                leaves fewer raises ``WorkerLostError``, naming who was lost and why; and if fewer
+                than ``num_workers`` but at least this many joined within ``start_timeout``, the
+                run starts with them (the missing workers' envs spread over them) and the others
+                can join later (:meth:`rebalance`).
             heartbeat: heartbeat constants; a worker whose heartbeat connection carried nothing for
                 ``interval * liveness`` seconds (dead or frozen, not busy) is lost.
             batch_size: how many envs :meth:`recv` returns (default ``num_envs``): those of the
@@ -516,8 +519,9 @@ class ClusterEnv(VectorEnv):
     def rebalance(self, wait: float = 0.0) -> list[int]:
         """Let worker processes that connected mid-run take envs; returns the workers whose envs moved.
 
-        A process started with ``clusterenv-worker --connect ...`` (or a new Ray actor) after
-        the start is admitted here, after the same authentication as at the start. It first
+        A process started with ``clusterenv-worker --connect ...`` (on a new host, or one that
+        came back) after the start is admitted here, after the same authentication as at the
+        start. It first
         takes back the envs of the worker whose id it asked for, if another process carries
         them; then whole workers' envs move from the most loaded processes to the least
         loaded ones while that lowers the larger load. Nothing moves on its own: call this
