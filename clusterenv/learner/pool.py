@@ -611,20 +611,22 @@ class WorkerPool:
         while True:
             if self._stash:
                 return self._stash.pop(0)
-            # Also checked while replies keep coming: a dead worker must not go unnoticed behind busy ones.
-            if time.monotonic() < self._liveness_due:
-                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                received = self._next_reply(
-                    doing, LIVENESS_POLL_S if remaining is None else min(LIVENESS_POLL_S, remaining)
-                )
-                if received is not None:
-                    return received
-            self._liveness_due = time.monotonic() + LIVENESS_POLL_S
-            lost = self._check_alive(set(self._identities), doing)
-            if lost:
-                replayed: dict[int, Message] = {}
-                self._recover(sorted(lost), replayed, doing)
-                self._stash.extend(replayed.items())
+            # Every LIVENESS_POLL_S, also while replies keep coming: a dead worker must not go unnoticed
+            # behind busy ones.
+            if time.monotonic() >= self._liveness_due:
+                self._liveness_due = time.monotonic() + LIVENESS_POLL_S
+                lost = self._check_alive(set(self._identities), doing)
+                if lost:
+                    replayed: dict[int, Message] = {}
+                    self._recover(sorted(lost), replayed, doing)
+                    self._stash.extend(replayed.items())
+                continue
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            received = self._next_reply(
+                doing, LIVENESS_POLL_S if remaining is None else min(LIVENESS_POLL_S, remaining)
+            )
+            if received is not None:
+                return received
             if deadline is not None and time.monotonic() >= deadline and not self._stash:
                 return None
 
