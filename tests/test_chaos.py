@@ -55,6 +55,17 @@ def flood(endpoint: str, stop: threading.Event) -> None:
     context.term()
 
 
+def step_hitting(envs: ClusterEnv, actions: np.ndarray, pid: int, how: str):
+    """One step during which worker process ``pid`` gets ``how``: SIGKILL or SIGSTOP, before the step or mid-step."""
+    sig = signal.SIGKILL if how.startswith("SIGKILL") else signal.SIGSTOP
+    if how.endswith("mid-step"):
+        envs.step_async(actions)
+        os.kill(pid, sig)
+        return envs.step_wait()
+    os.kill(pid, sig)
+    return envs.step(actions)
+
+
 @pytest.mark.timeout(900)
 def test_twenty_thousand_steps_through_kills_freezes_and_floods():
     rng = random.Random(1)
@@ -77,15 +88,7 @@ def test_twenty_thousand_steps_through_kills_freezes_and_floods():
             if not hit and t % 1600 == 800:  # at most one casualty at a time; 12 in all
                 victim = rng.randrange(NUM_WORKERS)
                 how = rng.choice(["SIGKILL", "SIGKILL mid-step", "SIGSTOP", "SIGSTOP mid-step"])
-                pid = envs.worker_info[victim]["pid"]
-                sig = signal.SIGKILL if how.startswith("SIGKILL") else signal.SIGSTOP
-                if how.endswith("mid-step"):
-                    envs.step_async(actions)
-                    os.kill(pid, sig)
-                    result = envs.step_wait()
-                else:
-                    os.kill(pid, sig)
-                    result = envs.step(actions)
+                result = step_hitting(envs, actions, envs.worker_info[victim]["pid"], how)
                 hit[victim] = how
             else:
                 result = envs.step(actions)
@@ -132,15 +135,7 @@ def test_the_run_goes_on_with_fewer_workers_when_three_of_eight_are_lost_for_goo
             actions = rng.integers(0, 2, num_envs)
             if t in casualties:
                 victim, how = casualties[t]
-                pid = envs.worker_info[victim]["pid"]
-                sig = signal.SIGSTOP if how == "SIGSTOP" else signal.SIGKILL
-                if how.endswith("mid-step"):
-                    envs.step_async(actions)
-                    os.kill(pid, sig)
-                    result = envs.step_wait()
-                else:
-                    os.kill(pid, sig)
-                    result = envs.step(actions)
+                result = step_hitting(envs, actions, envs.worker_info[victim]["pid"], how)
                 hit[victim] = how
             else:
                 result = envs.step(actions)

@@ -40,6 +40,25 @@ def three_nodes():
     assert wait_until(lambda: not any(pid_alive(pid) for pid in spawned), timeout=30), "Ray processes outlived shutdown"
 
 
+def spread_then_lose_a_node(cluster, launcher, envs, reference) -> tuple[list[str], int]:
+    """Check one worker per node and exact steps, remove a worker's node (not the head), and step until the
+    loss is reported; the nodes the workers started on, and the lost worker."""
+    nodes = [launcher.node_id(w) for w in range(3)]
+    assert len(set(nodes)) == 3, f"workers were not spread over the nodes: {nodes}"
+    run_lockstep(envs, reference, steps=10)
+    # Take away a whole node (not the head, which holds Ray's own services).
+    head = cluster.head_node.node_id
+    lost = next(w for w in range(3) if nodes[w] != head)
+    cluster.remove_node(next(node for node in cluster.list_all_nodes() if node.node_id == nodes[lost]))
+    rows = [lost * 2, lost * 2 + 1]
+    for _ in range(3):  # the loss is noticed within a few steps (heartbeats, or the actor's death)
+        *_, truncations, infos = envs.step(reference.action_space.sample())
+        if "worker_restarted" in infos:
+            break
+    assert infos["worker_restarted"].nonzero()[0].tolist() == rows and truncations[rows].all()
+    return nodes, lost
+
+
 def test_workers_spread_over_three_nodes_step_exactly_and_survive_losing_a_node(three_nodes):
     from clusterenv.launch.ray import RayLauncher
 
@@ -51,20 +70,7 @@ def test_workers_spread_over_three_nodes_step_exactly_and_survive_losing_a_node(
         ClusterEnv(fns, num_workers=3, launcher=launcher, on_worker_failure="restart", heartbeat=FAST) as envs,
         closing(SyncVectorEnv(fns)) as reference,
     ):
-        nodes = [launcher.node_id(w) for w in range(3)]
-        assert len(set(nodes)) == 3, f"workers were not spread over the nodes: {nodes}"
-        run_lockstep(envs, reference, steps=20)
-
-        # Take away a whole node (not the head, which holds Ray's own services).
-        head = cluster.head_node.node_id
-        lost = next(w for w in range(3) if nodes[w] != head)
-        cluster.remove_node(next(node for node in cluster.list_all_nodes() if node.node_id == nodes[lost]))
-        rows = [lost * 2, lost * 2 + 1]
-        for _ in range(3):  # the loss is noticed within a few steps (heartbeats, or the actor's death)
-            *_, truncations, infos = envs.step(reference.action_space.sample())
-            if "worker_restarted" in infos:
-                break
-        assert infos["worker_restarted"].nonzero()[0].tolist() == rows and truncations[rows].all()
+        nodes, lost = spread_then_lose_a_node(cluster, launcher, envs, reference)
         assert launcher.node_id(lost) in set(nodes) - {nodes[lost]}, "the replacement runs on a surviving node"
         for _ in range(5):
             envs.step(reference.action_space.sample())
@@ -85,19 +91,7 @@ def test_a_node_that_never_comes_back_has_its_envs_moved_to_the_surviving_actors
             ClusterEnv(fns, num_workers=3, launcher=launcher, on_worker_failure="rehome", heartbeat=FAST) as envs,
             closing(SyncVectorEnv(fns)) as reference,
         ):
-            nodes = [launcher.node_id(w) for w in range(3)]
-            assert len(set(nodes)) == 3, f"workers were not spread over the nodes: {nodes}"
-            run_lockstep(envs, reference, steps=5)
-
-            head = cluster.head_node.node_id
-            lost = next(w for w in range(3) if nodes[w] != head)
-            cluster.remove_node(next(node for node in cluster.list_all_nodes() if node.node_id == nodes[lost]))
-            rows = [lost * 2, lost * 2 + 1]
-            for _ in range(3):
-                *_, truncations, infos = envs.step(reference.action_space.sample())
-                if "worker_restarted" in infos:
-                    break
-            assert infos["worker_restarted"].nonzero()[0].tolist() == rows and truncations[rows].all()
+            nodes, lost = spread_then_lose_a_node(cluster, launcher, envs, reference)
             described = {w["worker_id"]: w for w in envs.worker_info}
             assert described[lost]["state"] == "lost"
             survivors = [w for w in range(3) if w != lost]

@@ -76,22 +76,23 @@ def check_seconds(name: str, value: Any, *, allow_none: bool) -> Any:
     return float(value)
 
 
+def _count_between(name: str, value: Any, high: int, high_name: str) -> int:
+    """An integer ``value`` between 1 and ``high`` (``high_name`` says what bounds it), else a clear error."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"`{name}` must be an integer, got {type(value).__name__} ({value!r}).")
+    if not 1 <= value <= high:
+        raise ValueError(f"`{name}` must be between 1 and {high_name} ({high}), got {value}.")
+    return int(value)
+
+
 def check_num_workers(num_workers: Any, num_envs: int) -> int:
     """A worker count between 1 and ``num_envs``."""
-    if isinstance(num_workers, bool) or not isinstance(num_workers, (int, np.integer)):
-        raise TypeError(f"`num_workers` must be an integer, got {type(num_workers).__name__} ({num_workers!r}).")
-    if not 1 <= num_workers <= num_envs:
-        raise ValueError(f"`num_workers` must be between 1 and the number of envs ({num_envs}), got {num_workers}.")
-    return int(num_workers)
+    return _count_between("num_workers", num_workers, num_envs, "the number of envs")
 
 
 def check_min_workers(min_workers: Any, num_workers: int) -> int:
-    """The fewest surviving worker processes a re-homing run goes on with: between 1 and ``num_workers``."""
-    if isinstance(min_workers, bool) or not isinstance(min_workers, (int, np.integer)):
-        raise TypeError(f"`min_workers` must be an integer, got {type(min_workers).__name__} ({min_workers!r}).")
-    if not 1 <= min_workers <= num_workers:
-        raise ValueError(f"`min_workers` must be between 1 and `num_workers` ({num_workers}), got {min_workers}.")
-    return int(min_workers)
+    """The fewest worker processes a re-homing run goes on with: between 1 and ``num_workers``."""
+    return _count_between("min_workers", min_workers, num_workers, "`num_workers`")
 
 
 def check_procs_per_worker(procs_per_worker: Any) -> int:
