@@ -381,7 +381,9 @@ class WorkerPool:
                 except zmq.ZMQError:
                     pass
                 continue
-            process = int(asked) if asked is not None else next(i for i in itertools.count() if i not in self._info)
+            # Without an id, a new one past the workers': never one that a worker's own host may ask for later.
+            fresh = next(i for i in itertools.count(self.num_workers) if i not in self._info)
+            process = int(asked) if asked is not None else fresh
             self._peers[sender] = process
             self._info[process] = msg.meta
             self._retired.pop(process, None)  # a lost worker's id, asked for again (say, by SLURM_PROCID)
