@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import glob
 import json
 import os
 import platform
@@ -24,6 +25,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,6 +41,23 @@ from clusterenv.wire.liveness import Heartbeat  # noqa: E402
 from clusterenv.wire.transport import SECRET_ENV_VAR  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def leftovers(pids: list[int]) -> tuple[int, int]:
+    """Worker processes still running among ``pids``, and this learner's scratch directories still there."""
+    running = sum(Path(f"/proc/{pid}").exists() and "Z" not in _state(pid) for pid in pids)
+    dirs = sum(
+        len(glob.glob(os.path.join(base, f"clusterenv-*{os.getpid()}-*")))
+        for base in {tempfile.gettempdir(), "/dev/shm"}
+    )
+    return running, dirs
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
 
 
 @dataclasses.dataclass
@@ -106,10 +125,13 @@ def one_run(args: Args) -> dict[str, float]:
                 flagged += int(infos["worker_restarted"].sum())
         marks[args.steps] = time.perf_counter()
         states = [w["state"] for w in envs.worker_info]
+        pids = [w["pid"] for w in envs.worker_info]
     finally:
         envs.close()
         for process in joiners:
             process.wait(timeout=30)
+    time.sleep(1.0)  # the workers' own exit
+    running, dirs = leftovers(pids)
 
     def rate(start: int, stop: int) -> float:
         return (stop - start) / (marks[stop] - marks[start])
@@ -130,6 +152,8 @@ def one_run(args: Args) -> dict[str, float]:
         "moved_to_joiners": len(moved),
         "flagged": flagged,
         "expected_flags": (len(casualties) + len(moved)) * args.envs_per_worker,
+        "processes_left": running,
+        "dirs_left": dirs,
     }
 
 
@@ -154,7 +178,9 @@ def main(args: Args) -> None:
         f"{median['predicted_after_join']:,.0f} | {median['after_join'] / median['predicted_after_join']:.2f} |",
         "",
         f"Cut envs flagged `worker_restarted`: {min(r['flagged'] for r in runs)} of {runs[0]['expected_flags']} "
-        f"(each run; {runs[0]['moved_to_joiners']} workers' envs moved to the joiners).",
+        f"(each run; {runs[0]['moved_to_joiners']} workers' envs moved to the joiners). Left behind after "
+        f"`close()`: {max(r['processes_left'] for r in runs)} worker processes, "
+        f"{max(r['dirs_left'] for r in runs)} scratch directories.",
     ]
     table = "\n".join(lines)
     print(table)
