@@ -216,3 +216,28 @@ def test_a_worker_lost_during_async_reset_has_its_seeded_reset_replayed():
             assert not truncations.any() and "worker_restarted" not in infos
             seen += env_ids.tolist()
         assert sorted(seen) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("on_worker_failure", ["restart", "rehome"])
+def test_a_worker_lost_while_its_envs_are_in_the_callers_hands_reports_their_cut_at_the_next_send(on_worker_failure):
+    fns = [lambda: gym.make("CartPole-v1")] * 6
+    with ClusterEnv(fns, num_workers=3, batch_size=2, on_worker_failure=on_worker_failure) as envs:
+        envs.async_reset(seed=0)
+        held = {tuple(envs.recv()[-1].tolist()) for _ in range(3)}
+        for ids in held - {(4, 5)}:
+            envs.send(np.zeros(2, dtype=np.int64), np.array(ids))
+        pid = envs.worker_info[2]["pid"]
+        os.kill(pid, signal.SIGKILL)  # worker 2 is idle: its envs are with the caller
+        deadline = time.monotonic() + 10
+        while envs.worker_info[2]["pid"] == pid and envs.worker_info[2]["state"] == "active":
+            assert time.monotonic() < deadline, "the loss of an idle worker went unnoticed"
+            *_, env_ids = envs.recv()  # the other workers keep stepping meanwhile
+            envs.send(np.zeros(2, dtype=np.int64), env_ids)
+        envs.send(np.zeros(2, dtype=np.int64), np.array([4, 5]))
+        for _ in range(10):
+            _, rewards, _, truncations, infos, env_ids = envs.recv()
+            if env_ids.tolist() == [4, 5]:
+                break
+            envs.send(np.zeros(2, dtype=np.int64), env_ids)
+        assert env_ids.tolist() == [4, 5]
+        assert truncations.all() and (rewards == 0).all() and infos["worker_restarted"].all()

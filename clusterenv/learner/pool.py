@@ -211,6 +211,7 @@ class WorkerPool:
         )
         self._restart_hooks: list[Callable[[int], None]] = []
         self._interrupted: set[int] = set()
+        self._awaiting: set[int] = set()  # workers whose latest command has had no reply yet
         self._failed: set[int] = set()
         self._early_hellos: list[tuple[bytes | None, Message]] = []
         # Replies of the current call that arrived while a gather waited for others (streaming calls).
@@ -511,6 +512,7 @@ class WorkerPool:
             if on_loss is not None:  # a command, not a message that serves one (weights, probe outputs)
                 self._last_sent[worker_id] = _Sent(kind, meta, arrays, blobs, on_loss)
                 self._sent_at[worker_id] = time.monotonic()
+                self._awaiting.add(worker_id)
             if frames is None:
                 self._failed.add(worker_id)
                 continue
@@ -620,7 +622,7 @@ class WorkerPool:
                 lost = self._check_alive(set(self._identities), doing)
                 if lost:
                     replayed: dict[int, Message] = {}
-                    self._recover(sorted(lost), replayed, doing)
+                    self._recover(sorted(lost), replayed, doing, frozenset(lost - self._awaiting))
                     self._stash.extend(replayed.items())
                 continue
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -656,6 +658,7 @@ class WorkerPool:
                 raise self._remote_error(worker_id, msg, doing, close=errors_close)
             if worker_id in self._sent_at:
                 self._latencies[worker_id].append(time.monotonic() - self._sent_at[worker_id])
+            self._awaiting.discard(worker_id)
             return worker_id, msg
         return None
 
@@ -747,13 +750,20 @@ class WorkerPool:
             self.on_fatal(False)
         return error
 
-    def _recover(self, lost: list[int], replies: dict[int, Message], doing: str) -> None:
-        """The one recovery path: replace each lost worker, then do what its pending command's sender declared."""
+    def _recover(
+        self, lost: list[int], replies: dict[int, Message], doing: str, idle: frozenset[int] = frozenset()
+    ) -> None:
+        """The one recovery path: replace each lost worker, then do what its pending command's sender declared.
+
+        ``idle``: workers among ``lost`` that had answered their last command (streaming calls
+        notice losses of workers they are not waiting for): nothing is pending, so nothing is
+        replayed or reported here; the restart hooks decide what their envs' loss means.
+        """
         self._recovering = True
         try:
             for worker_id in lost:
                 sent = self._last_sent[worker_id]
-                if sent.on_loss is OnLoss.RAISE:
+                if sent.on_loss is OnLoss.RAISE and worker_id not in idle:
                     raise self._lost(
                         worker_id, f"{doing} ({sent.kind.name} cannot be recovered on a replacement worker)"
                     )
@@ -763,6 +773,8 @@ class WorkerPool:
                     self._restart(worker_id)
                 for hook in self._restart_hooks:
                     hook(worker_id)
+                if worker_id in idle:
+                    continue
                 if sent.on_loss is OnLoss.INTERRUPT:
                     self._interrupted.add(worker_id)
                 elif sent.on_loss is OnLoss.REPLAY:

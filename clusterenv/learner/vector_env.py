@@ -556,7 +556,14 @@ class ClusterEnv(VectorEnv):
         self._cut_pending.difference_update(worker_ids)
 
     def _reset_replacement_in_flight(self, worker_id: int) -> None:
-        self._first_ready.reset_replacement(self._pool, worker_id)
+        """A restart hook for first-ready batches: report the cut episodes of a replaced (or re-homed) worker."""
+        first_ready = self._first_ready
+        if worker_id in first_ready.in_flight:
+            first_ready.reset_replacement(self._pool, worker_id)
+        elif first_ready.busy_workers():
+            # Lost while its envs were in the caller's hands (recv() returned them): the next send() resets
+            # the fresh envs instead of stepping them, and recv() reports the cut.
+            self._cut_pending.add(worker_id)
 
     def _check_first_ready(self) -> None:
         if self._observation_mode == "different":
