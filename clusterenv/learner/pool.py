@@ -383,8 +383,10 @@ class WorkerPool:
                     pass
                 continue
             # Without an id, a new one past the workers': never one that a worker's own host may ask for later.
+            # Also instead of a lost process's id while some of its workers have not been moved yet.
             fresh = next(i for i in itertools.count(self.num_workers) if i not in self._info)
-            process = int(asked) if asked is not None else fresh
+            unmoved = asked is not None and asked in self._retired and asked in self.serving.values()
+            process = int(asked) if asked is not None and not unmoved else fresh
             self._peers[sender] = process
             self._info[process] = msg.meta
             self._retired.pop(process, None)  # a lost worker's id, asked for again (say, by SLURM_PROCID)
