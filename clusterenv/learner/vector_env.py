@@ -188,7 +188,8 @@ class ClusterEnv(VectorEnv):
         self._first_ready = FirstReady(self._slices, self.num_envs)
         self._observation_mode = observation_mode
         self._pending: list[int] = []  # the workers whose replies the pending call waits for
-        # Workers moved by rebalance(): their envs are fresh, so their next step reports the cut episodes.
+        # Workers whose envs are fresh while the caller holds their last results (moved by rebalance(), or
+        # lost while their envs were with the caller in first-ready mode): their next step reports the cut.
         self._cut_pending: set[int] = set()
         self._cut_now: list[int] = []  # those the pending step reports
         self._pending_indices: list[int] | None = None  # the envs a pending call_async asked, in order
@@ -521,11 +522,10 @@ class ClusterEnv(VectorEnv):
 
         A process started with ``clusterenv-worker --connect ...`` (on a new host, or one that
         came back) after the start is admitted here, after the same authentication as at the
-        start. It first
-        takes back the envs of the worker whose id it asked for, if another process carries
-        them; then whole workers' envs move from the most loaded processes to the least
-        loaded ones while that lowers the larger load. Nothing moves on its own: call this
-        between steps (or rollouts) when you want joiners to take load.
+        start. It first takes back the envs of the worker whose id it asked for, if another
+        process carries them; then whole workers' envs move from the most loaded processes to
+        the least loaded ones while that lowers the larger load. Nothing moves on its own:
+        call this between steps (or rollouts) when you want joiners to take load.
 
         A moved worker's envs are rebuilt from their factories in the new process and start
         new episodes: the next ``step`` (or ``recv``, or ``PolicyRunner`` rollout) reports
@@ -692,8 +692,8 @@ class ClusterEnv(VectorEnv):
         """Per worker process: ``{"worker_id", "host", "pid", "state", "serves", "env_ids", "lost_because", "silent_s", "latency_ms"}``.
 
         Host and pid are what the process said when it joined (replacements included).
-        ``state`` is ``"active"``, or ``"lost"`` for a process given up under ``"rehome"``
-        (``lost_because`` says why); ``serves`` the workers whose envs it steps (its own, and
+        ``state`` is ``"active"``, ``"idle"`` (joined mid-run, nothing to step yet), or ``"lost"``
+        for a process given up under ``"rehome"`` (``lost_because`` says why); ``serves`` the workers whose envs it steps (its own, and
         any re-homed onto it) and ``env_ids`` their indices; ``silent_s`` the seconds since its
         last heartbeat, to spot a process that stalls before it is declared lost;
         ``latency_ms`` the median, 95th percentile and maximum of the time from the learner's
