@@ -253,10 +253,13 @@ def test_two_workers_that_join_mid_run_take_envs_and_every_env_stays_exact_up_to
         last_obs = envs.step(ACTIONS[3][:12])[0]
         reference.step(ACTIONS[3][:12])
 
-        late = [spawn(worker_command(address, "--worker-id", "4")), spawn(worker_command(address))]
-        moved = []
+        late = [spawn(worker_command(address, "--worker-id", "4"))]
+        moved: list[int] = []
+        assert wait_until(lambda: moved.extend(envs.rebalance(wait=1.0)) or moved, timeout=30)
+        assert moved == [4]  # the joiner that asked for id 4 takes worker 4's envs back
+        late.append(spawn(worker_command(address)))  # one without an id: it takes the most loaded's guest
         assert wait_until(lambda: moved.extend(envs.rebalance(wait=1.0)) or len(moved) == 2, timeout=30), moved
-        assert sorted(moved) == [4, 5]
+        assert moved == [4, 5]
         described = {w["worker_id"]: w for w in envs.worker_info}
         assert all(w["state"] == "active" and len(w["env_ids"]) == 2 for w in described.values()), described
         assert {described[w]["pid"] for w in described} == {p.pid for p in first + late}
