@@ -328,7 +328,7 @@ class WorkerPool:
             wait: if no process has connected yet, wait up to this many seconds for one.
         """
         self._admit(wait)
-        live = [p for p in set(self._peers.values()) if p not in self._gone([p])]
+        live = self._live_processes()
         moves = [(p, p) for p in sorted(live) if p in self.serving and self.serving[p] != p]  # coming home
         moved = []
         for worker_id, target in moves:
@@ -401,12 +401,22 @@ class WorkerPool:
         )
         # A CLOSE naming a worker the process serves for another: it closes those envs and stays.
         self.send(worker_id, Kind.CLOSE)
-        identity = next(i for i, p in self._peers.items() if p == target)
-        self.serving[worker_id], self._identities[worker_id] = target, identity
-        self._send_init(worker_id, replacement=True)
-        self.gather([worker_id], f"rebuilding the envs of worker {worker_id} in worker {target}", self.start_timeout)
+        self._rebuild_in(worker_id, target)
         for hook in self._restart_hooks:
             hook(worker_id)
+
+    def _rebuild_in(self, worker_id: int, target: int) -> None:
+        """Worker ``worker_id``'s envs built anew, from its INIT, in process ``target``, which serves it from now on."""
+        self.serving[worker_id] = target
+        self._identities[worker_id] = next(i for i, p in self._peers.items() if p == target)
+        self._failed.discard(worker_id)
+        self._send_init(worker_id, replacement=True)
+        self.gather([worker_id], f"rebuilding the envs of worker {worker_id} in worker {target}", self.start_timeout)
+
+    def _live_processes(self) -> list[int]:
+        """The worker processes that have joined and are not lost."""
+        processes = set(self._peers.values())
+        return sorted(processes - self._gone(processes))
 
     def _loads(self, processes: Iterable[int]) -> collections.Counter[int]:
         """How many envs each of ``processes`` steps."""
@@ -806,7 +816,7 @@ class WorkerPool:
         process = self.serving[worker_id]
         if process not in self._retired:
             self._retire(process)
-        survivors = [p for p in set(self._peers.values()) if p not in self._gone([p])]
+        survivors = self._live_processes()
         if len(survivors) < self.min_workers:
             raise self._lost(
                 worker_id,
@@ -821,11 +831,7 @@ class WorkerPool:
             target,
             self.launcher.describe(target),
         )
-        self.serving[worker_id] = target
-        self._identities[worker_id] = self._identities[target]
-        self._failed.discard(worker_id)
-        self._send_init(worker_id, replacement=True)
-        self.gather([worker_id], f"rebuilding the envs of worker {worker_id} in worker {target}", self.start_timeout)
+        self._rebuild_in(worker_id, target)
 
     def _retire(self, process: int) -> None:
         """Give up on a lost process for good: end it if possible, and accept nothing more from it."""
