@@ -1,10 +1,11 @@
-"""The learner's CPU per batch step against its floor: bare pyzmq with msgpack headers and HMAC.
+"""The learner's CPU per batch step against its floor: bare pyzmq with msgpack headers and MACs.
 
 Each worker holds one ``SleepEnv`` (a step waits ``--step-ms`` without using CPU), so the
 learner is idle between steps, as with a remote simulator. The floor is the same message
-exchange written directly on pyzmq: per step, a msgpack header, the action frame and an
-HMAC-SHA256 to each worker; per reply, a MAC check, a msgpack parse and the observation,
-reward, termination and truncation frames copied into batch arrays. Both run in one
+exchange written directly on pyzmq: per step, a msgpack header, the action frame and a
+keyed BLAKE2b MAC (the one ClusterEnv uses) to each worker; per reply, a MAC check, a
+msgpack parse and the observation, reward, termination and truncation frames copied into
+batch arrays. Both run in one
 process run, alternated, repeated; the table gives medians of the learner process's CPU
 time (all its threads, ZeroMQ's I/O thread included) per batch step.
 
@@ -61,7 +62,7 @@ class Args:
 
 def _frames(key: bytes, kind: int, arrays: list[np.ndarray]) -> list[bytes | memoryview]:
     header = msgpack.packb([1, kind, {}, [(a.dtype.str, a.shape) for a in arrays], 0])
-    mac = hmac.new(key, header, hashlib.sha256)
+    mac = hashlib.blake2b(header, key=key, digest_size=32)
     for a in arrays:
         mac.update(memoryview(a).cast("B"))
     return [header, *(memoryview(a).cast("B") for a in arrays), mac.digest()]
@@ -69,7 +70,7 @@ def _frames(key: bytes, kind: int, arrays: list[np.ndarray]) -> list[bytes | mem
 
 def _check(key: bytes, frames: list[zmq.Frame]) -> list[np.ndarray]:
     header = frames[0].bytes
-    mac = hmac.new(key, header, hashlib.sha256)
+    mac = hashlib.blake2b(header, key=key, digest_size=32)
     for frame in frames[1:-1]:
         mac.update(frame.buffer)
     if not hmac.compare_digest(mac.digest(), frames[-1].bytes):
@@ -175,7 +176,7 @@ def main(args: Args) -> None:
         f"{args.repeats} (backends alternated); learner process CPU per batch step; {os.cpu_count()} cores, "
         f"Python {platform.python_version()}.",
         "",
-        "| workers | floor (pyzmq + msgpack + HMAC) | ClusterEnv.step | ratio | per worker, ClusterEnv |",
+        "| workers | floor (pyzmq + msgpack + MAC) | ClusterEnv.step | ratio | per worker, ClusterEnv |",
         "|---|---|---|---|---|",
     ]
     for n in args.workers:

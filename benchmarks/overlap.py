@@ -71,8 +71,9 @@ def run(args: Args, prefetch: int, update_s: float) -> float:
     try:
         policy = actor()
         runner = PolicyRunner(envs, policy, APS(threshold=0.01), seed=0, prefetch=prefetch)
-        for _ in range(2):  # untimed: worker start-up, torch import, first pulls
+        for _ in range(2):  # untimed: worker start-up, torch import, first pulls, and the prefetch pipeline filling
             runner.rollout(args.num_steps)
+            time.sleep(update_s)
             runner.publish(policy)
         started = time.perf_counter()
         for _ in range(args.rollouts):

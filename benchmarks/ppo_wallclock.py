@@ -4,7 +4,7 @@ Every run is the example itself in a subprocess (its own start-up included), wit
 seed and budget; the configurations take turns seed by seed, so a noisy machine slows them
 alike. The return is the mean over the last 100 training episodes (``episodes.csv``).
 
-    python benchmarks/ppo_wallclock.py                  # 3 configurations x 5 seeds, ~10 min on 2 cores
+    python benchmarks/ppo_wallclock.py                  # 5 configurations x 5 seeds, ~15 min on 2 cores
     python benchmarks/ppo_wallclock.py --seeds 1 --total-timesteps 20000   # a smoke run
 
 Writes ``results/ppo_wallclock.md`` and ``.json``.
@@ -33,6 +33,14 @@ CONFIGS = {
     "clusterenv --local-policy": ["--local-policy"],
     "clusterenv --local-policy --prefetch 1": ["--local-policy", "--prefetch", "1"],
     "clusterenv --local-policy --prefetch 2": ["--local-policy", "--prefetch", "2"],
+    # With prefetch the learner trains while the workers collect: one worker fewer than cores leaves it one.
+    "clusterenv --local-policy --prefetch 1 --num-workers 1": [
+        "--local-policy",
+        "--prefetch",
+        "1",
+        "--num-workers",
+        "1",
+    ],
 }
 
 

@@ -1,6 +1,6 @@
 """Per-step cost of tcp (loopback) against ipc between the learner and its workers.
 
-Workers on other hosts talk tcp, and on tcp the HMAC also covers every observation
+Workers on other hosts talk tcp, and on tcp the MAC also covers every observation
 frame (on ipc the 0700 socket directory authenticates the peer, so arrays are not
 hashed). This measures what that costs, on one machine: each worker has its own tcp
 connection to the learner (its own ephemeral port on loopback), against the default
@@ -37,7 +37,7 @@ import tyro
 
 import clusterenv.wire.shared_memory
 from clusterenv import ClusterEnv
-from clusterenv.wire.protocol import NONCE_BYTES, Kind, coalesce, decode, encode, session_pair, split
+from clusterenv.wire.protocol import NONCE_BYTES, Kind, decode, pack, session_pair
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SIZES = {"16 B (CartPole)": (4,), "28 KB (84x84x4)": (84, 84, 4), "100 KB (210x160x3)": (210, 160, 3)}
@@ -104,17 +104,17 @@ def steps_per_second(shape: tuple[int, ...], args: Args) -> tuple[float, float]:
 
 
 def codec_microseconds(shape: tuple[int, ...], envs_per_worker: int, cover_arrays: bool) -> float:
-    """Encode + split + decode of one worker's step reply (obs, rewards, terminations, truncations)."""
+    """Packing and decoding one worker's step reply (obs, rewards, terminations, truncations)."""
     learner, worker = session_pair(b"k" * 32, b"w" * NONCE_BYTES, b"l" * NONCE_BYTES, b"worker-0")
     obs = np.zeros((envs_per_worker, *shape), dtype=np.float32 if len(shape) == 1 else np.uint8)
     arrays = [obs, np.zeros(envs_per_worker), np.zeros(envs_per_worker, bool), np.zeros(envs_per_worker, bool)]
     n, start = 0, time.perf_counter()
     while time.perf_counter() - start < 0.5:
         n += 1
-        message = encode(
-            Kind.RESULT, {"seq": n}, arrays, [b""], mac=worker.send_mac, counter=n, cover_arrays=cover_arrays
+        message = pack(
+            Kind.RESULT, {"seq": n}, arrays, [b""], key=worker.send_key, counter=n, cover_arrays=cover_arrays
         )
-        decode(split(coalesce(message)), mac=learner.recv_mac, cover_arrays=cover_arrays)
+        decode(message, key=learner.recv_key, cover_arrays=cover_arrays)
     return (time.perf_counter() - start) / n * 1e6
 
 

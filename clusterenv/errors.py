@@ -10,7 +10,7 @@ The tree, so that callers can catch as broadly or narrowly as they need::
     │                         and a ``multiprocessing.TimeoutError``, as ``AsyncVectorEnv`` raises)
     ├── WorkerStartError      workers could not be started or did not join in time
     ├── ProtocolError         a message could not be decoded
-    │   └── AuthenticationError   a message failed its HMAC check
+    │   └── AuthenticationError   a message failed its MAC check
     ├── UntrustedPickleError  a remote worker's reply names a class outside ``trusted_classes``
     └── PolicyError           a policy is unusable with this environment
 
@@ -142,7 +142,7 @@ class ProtocolError(ClusterEnvError):
 
 
 class AuthenticationError(ProtocolError):
-    """A message's HMAC did not match: the peer does not hold the shared secret."""
+    """A message's MAC did not match: the peer does not hold the shared secret."""
 
 
 class UntrustedPickleError(ClusterEnvError, pickle.UnpicklingError):

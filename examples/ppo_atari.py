@@ -38,6 +38,16 @@ class Args:
     """if toggled, the learner (network, optimizer, batches) runs on CUDA when torch can use it; else on the CPU"""
     backend: Literal["clusterenv", "gym"] = "clusterenv"
     """`clusterenv.ClusterEnv` (envs in worker processes) or `gym.vector.SyncVectorEnv` (the Gymnasium original)"""
+    local_policy: bool = False
+    """act with a copy of the CNN actor in each worker (clusterenv.PolicyRunner) instead of on the learner"""
+    aps_threshold: float = 0.01
+    """with --local-policy: a worker pulls new weights when KL(learner || its copy) exceeds this"""
+    prefetch: int = 0
+    """with --local-policy: rollouts each worker collects ahead while the learner trains (0: lockstep)"""
+    is_clip: float = 1.0
+    """with --local-policy: truncation of the importance weight pi_learner / pi_acting (decoupled PPO ratio)"""
+    num_workers: int | None = None
+    """clusterenv worker processes (default: one per core, at most one per env)"""
     runs_dir: str = "runs"
     """where `<run_name>/episodes.csv` and `<run_name>/learning_curve.png` go"""
 
@@ -105,6 +115,12 @@ def check_args(args):
             f"error: --total-timesteps ({args.total_timesteps}) must cover at least one rollout "
             f"of --num-envs x --num-steps = {args.num_envs * args.num_steps} steps"
         )
+    if args.local_policy and args.backend != "clusterenv":
+        raise SystemExit("error: --local-policy runs the actor in clusterenv workers; it needs --backend clusterenv")
+    if args.local_policy and not args.aps_threshold > 0:
+        raise SystemExit(f"error: --aps-threshold must be positive, got {args.aps_threshold}")
+    if args.prefetch < 0 or (args.prefetch and not args.local_policy):
+        raise SystemExit(f"error: --prefetch {args.prefetch} needs --local-policy and must not be negative")
     try:
         spec = gym.spec(args.env_id)
     except gym.error.Error as exc:
@@ -214,6 +230,17 @@ class Agent(nn.Module):
         return action, probs.log_prob(action), probs.entropy(), self.critic(hidden)
 
 
+class Actor(nn.Module):
+    """The acting part of the agent (CNN trunk and policy head, the agent's own parameters): what workers run."""
+
+    def __init__(self, agent):
+        super().__init__()
+        self.network, self.actor = agent.network, agent.actor
+
+    def forward(self, x):
+        return self.actor(self.network(x / 255.0))
+
+
 if __name__ == "__main__":
     args = tyro.cli(Args)
     check_args(args)
@@ -233,13 +260,30 @@ if __name__ == "__main__":
     torch.set_num_threads(args.torch_threads)
 
     # env setup: the Gymnasium original is `envs = gym.vector.SyncVectorEnv([...])`
-    VectorEnv = clusterenv.ClusterEnv if args.backend == "clusterenv" else gym.vector.SyncVectorEnv
-    envs = VectorEnv([make_env(args.env_id, i, run_name, args.max_episode_frames) for i in range(args.num_envs)])
+    env_fns = [make_env(args.env_id, i, run_name, args.max_episode_frames) for i in range(args.num_envs)]
+    if args.backend == "clusterenv":
+        envs: gym.vector.VectorEnv = clusterenv.ClusterEnv(env_fns, num_workers=args.num_workers)
+    else:
+        envs = gym.vector.SyncVectorEnv(env_fns)
 
     agent = Agent(envs).to(device)
     optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
     log = EpisodeLog(
         os.path.join(args.runs_dir, run_name), args.num_iterations * args.batch_size, args.return_window, envs
+    )
+    # Only the actor goes to the workers; the critic stays here and values the returned observations.
+    actor = Actor(agent)
+    runner = (
+        clusterenv.PolicyRunner(
+            envs,
+            actor,
+            clusterenv.APS(threshold=args.aps_threshold),
+            seed=args.seed,
+            prefetch=args.prefetch,
+            device=device,  # the workers get CPU copies; the learner's KL probes run on `device`
+        )
+        if args.local_policy
+        else None
     )
 
     # ALGO Logic: Storage setup
@@ -266,28 +310,46 @@ if __name__ == "__main__":
             lrnow = frac * args.learning_rate
             optimizer.param_groups[0]["lr"] = lrnow
 
-        for step in range(0, args.num_steps):
-            global_step += args.num_envs
-            obs[step] = next_obs
-            # Gymnasium 1.x NEXT_STEP autoreset: an env whose previous step ended its episode resets now,
-            # ignoring its action (reward 0). CleanRL's 0.29 loop has no such step.
-            autoreset[step] = next_autoreset
-
-            # ALGO LOGIC: action logic
+        if runner is not None:
+            # ALGO LOGIC: the workers' local actors play all num_steps; logprobs are those of the acting copy.
+            batch = runner.rollout(args.num_steps)
+            for t, info in enumerate(batch.infos):
+                log.record(global_step + (t + 1) * args.num_envs, info)
+            global_step += args.batch_size
+            tensors = batch.as_tensors(device)
+            obs.copy_(tensors["obs"])
+            actions.copy_(tensors["actions"])
+            logprobs.copy_(tensors["logprobs"])
+            rewards.copy_(tensors["rewards"])
+            terminated.copy_(tensors["terminations"])
+            truncated.copy_(tensors["truncations"])
+            autoreset.copy_(tensors["autoreset"])
             with torch.no_grad():
-                action, logprob, _, value = agent.get_action_and_value(next_obs)
-                values[step] = value.flatten()
-            actions[step] = action
-            logprobs[step] = logprob
+                values.copy_(agent.get_value(obs.flatten(0, 1)).view(args.num_steps, args.num_envs))
+            next_obs = tensors["next_obs"].float()
+        else:
+            for step in range(0, args.num_steps):
+                global_step += args.num_envs
+                obs[step] = next_obs
+                # Gymnasium 1.x NEXT_STEP autoreset: an env whose previous step ended its episode resets now,
+                # ignoring its action (reward 0). CleanRL's 0.29 loop has no such step.
+                autoreset[step] = next_autoreset
 
-            # TRY NOT TO MODIFY: execute the game and log data.
-            next_obs, reward, terminations, truncations, infos = envs.step(action.cpu().numpy())
-            terminated[step] = torch.as_tensor(terminations).to(device)
-            truncated[step] = torch.as_tensor(truncations).to(device)
-            next_autoreset = terminated[step] | truncated[step]
-            rewards[step] = torch.tensor(reward).to(device).view(-1)
-            next_obs = torch.Tensor(next_obs).to(device)
-            log.record(global_step, infos)
+                # ALGO LOGIC: action logic
+                with torch.no_grad():
+                    action, logprob, _, value = agent.get_action_and_value(next_obs)
+                    values[step] = value.flatten()
+                actions[step] = action
+                logprobs[step] = logprob
+
+                # TRY NOT TO MODIFY: execute the game and log data.
+                next_obs, reward, terminations, truncations, infos = envs.step(action.cpu().numpy())
+                terminated[step] = torch.as_tensor(terminations).to(device)
+                truncated[step] = torch.as_tensor(truncations).to(device)
+                next_autoreset = terminated[step] | truncated[step]
+                rewards[step] = torch.tensor(reward).to(device).view(-1)
+                next_obs = torch.Tensor(next_obs).to(device)
+                log.record(global_step, infos)
 
         # bootstrap value if not done
         with torch.no_grad():
@@ -309,6 +371,15 @@ if __name__ == "__main__":
 
         # Reset steps carry no transition (see examples/advantages.py): only the other rows go into the loss.
         b_valid = np.flatnonzero(valid.reshape(-1).cpu().numpy())
+        b_weights = torch.ones_like(b_logprobs)
+        if runner is not None:
+            # The acting copy may lag the learner (APS, prefetch): clip against the learner's own pre-update
+            # policy and weight each sample by min(pi_learner / pi_acting, is_clip) (Hilton et al. 2021,
+            # "decoupled" PPO). With an up-to-date copy the weight is 1 and this is ppo_atari.py.
+            with torch.no_grad():
+                _, prox_logprobs, _, _ = agent.get_action_and_value(b_obs, b_actions.long())
+            b_weights = torch.clamp((prox_logprobs - b_logprobs).exp(), max=args.is_clip)
+            b_logprobs = prox_logprobs
 
         # Optimizing the policy and value network
         clipfracs = []
@@ -332,7 +403,7 @@ if __name__ == "__main__":
                 # Policy loss
                 pg_loss1 = -mb_advantages * ratio
                 pg_loss2 = -mb_advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
-                pg_loss = torch.max(pg_loss1, pg_loss2).mean()
+                pg_loss = (b_weights[mb_inds] * torch.max(pg_loss1, pg_loss2)).mean()
 
                 # Value loss
                 newvalue = newvalue.view(-1)
@@ -377,7 +448,16 @@ if __name__ == "__main__":
             "losses/explained_variance": explained_var,
             "charts/SPS": sps,
         }
-        log.progress(global_step, scalars)
+        postfix = {}
+        if runner is not None:
+            runner.publish(actor)
+            sync = runner.telemetry.summary()
+            scalars.update(sync)
+            postfix["pulls"] = sync["sync/pulls"]
+        log.progress(global_step, scalars, **postfix)
 
+    if runner is not None:
+        runner.stop()
     envs.close()
-    log.close(f"PPO {args.env_id} ({args.backend}, seed {args.seed}, {device})")
+    mode = f"local policy, APS {args.aps_threshold}, prefetch {args.prefetch}" if args.local_policy else args.backend
+    log.close(f"PPO {args.env_id} ({mode}, seed {args.seed}, {device})")

@@ -43,6 +43,9 @@ class Args:
     """with --local-policy: rollouts each worker collects ahead while the learner trains (0: lockstep)"""
     is_clip: float = 1.0
     """with --local-policy: truncation of the importance weight pi_learner / pi_acting (decoupled PPO ratio)"""
+    num_workers: int | None = None
+    """clusterenv worker processes (default: one per core, at most one per env; with --prefetch, one core fewer
+    leaves the learner's update a core of its own)"""
     runs_dir: str = "runs"
     """where `<run_name>/episodes.csv` and `<run_name>/learning_curve.png` go"""
 
@@ -186,8 +189,11 @@ if __name__ == "__main__":
     torch.set_num_threads(args.torch_threads)
 
     # env setup: the Gymnasium original is `envs = gym.vector.SyncVectorEnv([...])`
-    VectorEnv = clusterenv.ClusterEnv if args.backend == "clusterenv" else gym.vector.SyncVectorEnv
-    envs = VectorEnv([make_env(args.env_id, i, run_name) for i in range(args.num_envs)])
+    env_fns = [make_env(args.env_id, i, run_name) for i in range(args.num_envs)]
+    if args.backend == "clusterenv":
+        envs: gym.vector.VectorEnv = clusterenv.ClusterEnv(env_fns, num_workers=args.num_workers)
+    else:
+        envs = gym.vector.SyncVectorEnv(env_fns)
 
     agent = Agent(envs).to(device)
     optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)

@@ -69,6 +69,11 @@ TINY = {
         "--max-episode-frames",
         "400",
     ),
+    "ppo_atari --local-policy": (
+        "ppo_atari.py",
+        *("--total-timesteps", "512", "--num-envs", "2", "--num-steps", "128", "--num-minibatches", "2"),
+        *("--update-epochs", "1", "--max-episode-frames", "400", "--local-policy", "--prefetch", "1"),
+    ),
 }
 
 

@@ -64,9 +64,9 @@ class Marker:
 def attacks(marker: Path) -> list[list[bytes]]:
     """Frames a peer without the secret might send, each carrying the marker payload where it can."""
     payload = pickle.dumps(Marker(marker))
-    wrong, right = hello_session(WRONG.encode()).send_mac, hello_session(SECRET.encode()).send_mac
-    forged = encode(Kind.INIT, {"env_offset": 0}, blobs=[payload], mac=wrong, counter=1, cover_arrays=True)
-    valid = coalesce(encode(Kind.RESULT, {"seq": 1}, blobs=[payload], mac=right, counter=1, cover_arrays=True))
+    wrong, right = hello_session(WRONG.encode()).send_key, hello_session(SECRET.encode()).send_key
+    forged = encode(Kind.INIT, {"env_offset": 0}, blobs=[payload], key=wrong, counter=1, cover_arrays=True)
+    valid = coalesce(encode(Kind.RESULT, {"seq": 1}, blobs=[payload], key=right, counter=1, cover_arrays=True))
     return [
         coalesce(forged),  # wrong secret
         forged[:-1] + [b""],  # no trailer
@@ -160,7 +160,7 @@ def test_worker_drops_unauthenticated_learner_messages(tmp_path):
 
 # -- the decoder, fuzzed ---------------------------------------------------------------------
 KEY = b"k" * 32
-MAC = hello_session(KEY).send_mac
+SEND_KEY = hello_session(KEY).send_key
 frames_strategy = st.lists(st.binary(max_size=96), min_size=0, max_size=6)
 msgpack_values = st.recursive(
     st.none()
@@ -184,15 +184,15 @@ def itemsize(name: str) -> int:
         return 1
 
 
-def decode(frames, *, mac, cover_arrays):
+def decode(frames, *, key, cover_arrays):
     """What a receiving end does: check the MAC before anything is parsed, then parse."""
-    _, n_arrays = verify(frames, mac=mac, cover_arrays=cover_arrays)
+    _, n_arrays = verify(frames, key=key, cover_arrays=cover_arrays)
     return parse(frames, n_arrays)
 
 
 def signed(frames: list[bytes], n_arrays: int, counter: int = 1) -> list[bytes]:
     """``frames`` with a valid trailer, as a holder of the key would send them."""
-    return [*frames, trailer(MAC, counter, n_arrays, frames, True)]
+    return [*frames, trailer(SEND_KEY, counter, n_arrays, frames, True)]
 
 
 @st.composite
@@ -218,7 +218,7 @@ def authenticated_messages(draw) -> list[bytes]:
 
 def decode_or_protocol_error(frames):
     try:
-        return decode(split(frames), mac=MAC, cover_arrays=True)
+        return decode(split(frames), key=SEND_KEY, cover_arrays=True)
     except ProtocolError:
         return None
 
@@ -244,7 +244,7 @@ def test_fuzz_authenticated_messages_only_raise_protocol_error(frames, coalesced
 @given(st.data())
 def test_fuzz_tampered_messages_never_decode(data):
     array = np.arange(data.draw(st.integers(0, 40)), dtype=np.float32)
-    frames = encode(Kind.RESULT, {"seq": 3}, [array], [b"blob"], mac=MAC, counter=7, cover_arrays=True)
+    frames = encode(Kind.RESULT, {"seq": 3}, [array], [b"blob"], key=SEND_KEY, counter=7, cover_arrays=True)
     wire = bytearray(coalesce(frames)[0])
     position = data.draw(st.integers(0, len(wire) - 1))
     if data.draw(st.booleans()):
@@ -254,18 +254,37 @@ def test_fuzz_tampered_messages_never_decode(data):
     assert decode_or_protocol_error([bytes(wire)]) is None
 
 
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(st.integers(0, 40_000), max_size=3),
+    st.lists(st.binary(max_size=40_000), max_size=2),
+    st.booleans(),
+)
+def test_packing_in_one_pass_sends_what_encoding_then_coalescing_sends(lengths, blobs, cover_arrays):
+    """``pack`` (what channels send) is byte for byte ``coalesce(encode(...))``, below and above the coalescing size."""
+    arrays = [np.arange(n, dtype=np.uint8).reshape(-1, 1) for n in lengths]
+    arrays.append(np.arange(12, dtype=np.float32).reshape(3, 4)[:, ::2])  # not contiguous
+    args = (Kind.RESULT, {"seq": 9}, arrays, blobs)
+    packed = protocol.pack(*args, key=SEND_KEY, counter=4, cover_arrays=cover_arrays)
+    expected = coalesce(encode(*args, key=SEND_KEY, counter=4, cover_arrays=cover_arrays))
+    assert [bytes(f) for f in packed] == [bytes(f) for f in expected]
+    counter, message = protocol.decode(packed, key=SEND_KEY, cover_arrays=cover_arrays)
+    assert counter == 4 and message.blobs == blobs
+    assert_same(message.arrays, [np.ascontiguousarray(a) for a in arrays])
+
+
 # -- the MAC before anything else ----------------------------------------------------------
 def test_the_mac_is_checked_before_msgpack_parses_anything(monkeypatch):
-    forged = encode(Kind.RESULT, {"seq": 1}, mac=hello_session(WRONG.encode()).send_mac, counter=1, cover_arrays=True)
+    forged = encode(Kind.RESULT, {"seq": 1}, key=hello_session(WRONG.encode()).send_key, counter=1, cover_arrays=True)
 
     def unpackb(*args, **kwargs):
         raise AssertionError("msgpack parsed a header whose MAC was not checked")
 
     monkeypatch.setattr(protocol.msgpack, "unpackb", unpackb)
     with pytest.raises(AuthenticationError):
-        decode(forged, mac=MAC, cover_arrays=True)
+        decode(forged, key=SEND_KEY, cover_arrays=True)
     with pytest.raises(AuthenticationError):
-        decode(split(coalesce(forged)), mac=MAC, cover_arrays=False)
+        decode(split(coalesce(forged)), key=SEND_KEY, cover_arrays=False)
 
 
 class HugeFrame:
@@ -285,7 +304,7 @@ def test_the_header_size_is_checked_before_it_is_copied():
 
 def test_the_mac_covers_the_array_count_and_the_frame_lengths():
     array, blob = np.arange(4, dtype=np.uint8), b"blob"
-    frames = encode(Kind.RESULT, {}, [array], [blob], mac=MAC, counter=1, cover_arrays=False)
+    frames = encode(Kind.RESULT, {}, [array], [blob], key=SEND_KEY, counter=1, cover_arrays=False)
     counter, _, tag = read_trailer(frames[-1])
     as_blob = [
         frames[0],
@@ -294,10 +313,10 @@ def test_the_mac_covers_the_array_count_and_the_frame_lengths():
         struct.pack("<QI32s", counter, 0, tag),
     ]  # the array passed off as a blob
     with pytest.raises(AuthenticationError):
-        decode(as_blob, mac=MAC, cover_arrays=False)
+        decode(as_blob, key=SEND_KEY, cover_arrays=False)
     longer = [frames[0], np.arange(5, dtype=np.uint8), frames[2], frames[3]]  # uncovered, yet its length is
     with pytest.raises(AuthenticationError):
-        decode(longer, mac=MAC, cover_arrays=False)
+        decode(longer, key=SEND_KEY, cover_arrays=False)
 
 
 # -- joining, keys and replays ---------------------------------------------------------------
@@ -382,7 +401,7 @@ def test_the_learner_sees_a_worker_only_once_it_proved_its_keys(net):
     worker.send(Kind.VALUE, {"seq": 1})
     received = learner.recv(10, routed=True)
     assert received is not None and received[1].kind is Kind.VALUE
-    assert learner.heartbeat_session(sender).send_mac.digest() != worker.heartbeat_session().send_mac.digest()
+    assert learner.heartbeat_session(sender).send_key != worker.heartbeat_session().send_key
 
 
 def test_a_replayed_hello_does_not_join(net):
@@ -410,7 +429,7 @@ def test_replayed_and_reordered_messages_are_dropped(net, caplog):
     session = worker.sessions[None]
 
     def frames(counter: int) -> list:
-        return encode(Kind.VALUE, {"seq": counter}, mac=session.send_mac, counter=counter, cover_arrays=True)
+        return encode(Kind.VALUE, {"seq": counter}, key=session.send_key, counter=counter, cover_arrays=True)
 
     base = session.sent
     for counter in [base + 1, base + 1, base + 3, base + 2, base + 4]:  # a replay, then a reordering
@@ -429,34 +448,34 @@ def test_keys_belong_to_one_connection_and_one_direction():
     learner, worker = session_pair(SECRET.encode(), nonces[0], nonces[1], b"w")
     other, _ = session_pair(SECRET.encode(), nonces[0], nonces[2], b"w")
     renamed, _ = session_pair(SECRET.encode(), nonces[0], nonces[1], b"v")
-    sent = encode(Kind.STEP, {"seq": 1}, mac=learner.send_mac, counter=1, cover_arrays=True)
-    assert decode(sent, mac=worker.recv_mac, cover_arrays=True).kind is Kind.STEP
-    for wrong in [learner.recv_mac, other.recv_mac, renamed.recv_mac, worker.heartbeat.recv_mac]:  # type: ignore[union-attr]
+    sent = encode(Kind.STEP, {"seq": 1}, key=learner.send_key, counter=1, cover_arrays=True)
+    assert decode(sent, key=worker.recv_key, cover_arrays=True).kind is Kind.STEP
+    for wrong in [learner.recv_key, other.recv_key, renamed.recv_key, worker.heartbeat.recv_key]:  # type: ignore[union-attr]
         with pytest.raises(AuthenticationError):
-            decode(sent, mac=wrong, cover_arrays=True)  # reflected, another join, another worker, heartbeats
+            decode(sent, key=wrong, cover_arrays=True)  # reflected, another join, another worker, heartbeats
 
 
 def watched_beat(net: Net, busy_timeout: float | None = 300.0) -> tuple[HeartbeatMonitor, zmq.Socket, object]:
-    """A monitor watching worker 0, a raw socket with its identity, and that worker's heartbeat send MAC."""
+    """A monitor watching worker 0, a raw socket with its identity, and that worker's heartbeat send key."""
     monitor = net.monitor(busy_timeout)
     learner, worker = session_pair(SECRET.encode(), os.urandom(NONCE_BYTES), os.urandom(NONCE_BYTES), b"w")
     assert learner.heartbeat is not None and worker.heartbeat is not None
     monitor.watch(0, b"w", learner.heartbeat)
     beat = net.raw(zmq.DEALER, b"w")
     beat.connect(monitor.endpoint)
-    return monitor, beat, worker.heartbeat.send_mac
+    return monitor, beat, worker.heartbeat.send_key
 
 
 def test_replayed_heartbeats_do_not_keep_a_worker_alive(net):
     # A live connection keeps a busy worker; past busy_timeout only fresh heartbeats of its own count.
-    monitor, beat, mac = watched_beat(net, busy_timeout=1.0)
-    captured = encode(Kind.HEARTBEAT, mac=mac, counter=1, cover_arrays=False)
+    monitor, beat, key = watched_beat(net, busy_timeout=1.0)
+    captured = encode(Kind.HEARTBEAT, key=key, counter=1, cover_arrays=False)
     deadline = time.monotonic() + 3
     while time.monotonic() < deadline:  # one real beat, then the same beat over and over
         beat.send_multipart(captured)
         time.sleep(0.02)
     assert 0 in monitor.expired(), "a replayed heartbeat counted"
-    beat.send_multipart(encode(Kind.HEARTBEAT, mac=mac, counter=2, cover_arrays=False))
+    beat.send_multipart(encode(Kind.HEARTBEAT, key=key, counter=2, cover_arrays=False))
     assert wait_for(lambda: 0 not in monitor.expired(), 10), "a fresh heartbeat did not count"
 
 
@@ -474,9 +493,9 @@ def test_peers_that_have_not_joined_may_send_only_small_messages(net, monkeypatc
     learner = net.learner()
     rogue = net.raw(zmq.DEALER)
     rogue.connect(learner.endpoint)
-    mac = hello_session(SECRET.encode()).send_mac
+    key = hello_session(SECRET.encode()).send_key
     padded = encode(
-        Kind.HELLO, {"nonce": b"n" * NONCE_BYTES, "pad": "x" * PRE_JOIN_BYTES}, mac=mac, counter=1, cover_arrays=True
+        Kind.HELLO, {"nonce": b"n" * NONCE_BYTES, "pad": "x" * PRE_JOIN_BYTES}, key=key, counter=1, cover_arrays=True
     )
     rogue.send_multipart(padded)
 
@@ -489,7 +508,7 @@ def test_peers_that_have_not_joined_may_send_only_small_messages(net, monkeypatc
     assert f"exceeds the {PRE_JOIN_BYTES}-byte limit for a peer that has not joined" in caplog.text
     # A HELLO of the usual size from the same peer is answered.
     hello = {"worker_id": None, "pid": 1, "host": "h", "nonce": b"n" * NONCE_BYTES}
-    rogue.send_multipart(encode(Kind.HELLO, hello, mac=mac, counter=1, cover_arrays=True))
+    rogue.send_multipart(encode(Kind.HELLO, hello, key=key, counter=1, cover_arrays=True))
     assert learner.recv(1, routed=True) is None
     assert wire_kinds(rogue, 5) == [Kind.WELCOME]
 
@@ -514,11 +533,11 @@ def test_dropped_message_warnings_are_rate_limited(net, caplog, monkeypatch):
 
 
 def test_the_heartbeat_socket_refuses_large_messages_before_reading_them(net, caplog):
-    monitor, beat, mac = watched_beat(net)
+    monitor, beat, key = watched_beat(net)
     with caplog.at_level(logging.WARNING, logger="clusterenv.wire.transport"):
         beat.send(b"\0" * (HEARTBEAT_MAX_BYTES + 1))  # ZeroMQ closes the connection; the socket reconnects
         time.sleep(0.5)
-        beat.send_multipart(encode(Kind.HEARTBEAT, mac=mac, counter=1, cover_arrays=False))
+        beat.send_multipart(encode(Kind.HEARTBEAT, key=key, counter=1, cover_arrays=False))
         assert wait_for(lambda: (monitor.silence(0) or 1.0) < 0.1, 10)
     assert "Dropped" not in caplog.text  # never delivered to the monitor: ZeroMQ refused it
 

@@ -51,6 +51,8 @@ class FirstReady:
         #: Workers given work, and what: ``"reset"``, ``"step"`` or ``"restarted"`` (a replacement's reset).
         self.in_flight: dict[int, str] = {}
         self._arrived: list[tuple[int, str, Message]] = []
+        # The env_ids recv() last returned and their plan: the usual send() gives them back as they were.
+        self._returned: tuple[np.ndarray, Plan] | None = None
 
     def busy_workers(self) -> list[int]:
         """Workers whose envs are not in the caller's hands: stepping, or replied and not yet recv()'d."""
@@ -62,6 +64,16 @@ class FirstReady:
 
     def plan(self, env_ids: Any) -> tuple[int, Plan]:
         """How many envs ``env_ids`` names and the :data:`Plan` of its send, if it names whole workers' envs that recv() returned."""
+        returned = self._returned
+        if (
+            returned is not None
+            and type(env_ids) is np.ndarray
+            and env_ids.shape == returned[0].shape
+            and bool((env_ids == returned[0]).all())
+        ):
+            plan = returned[1]  # what the checks below would find, without them: the rows recv() gave
+            self._refuse_busy([w for w, _ in plan])
+            return len(env_ids), plan
         env_ids = np.asarray(env_ids)
         if env_ids.ndim != 1 or env_ids.dtype.kind not in "iu" or not len(env_ids):
             raise ValueError(f"`env_ids` must be a non-empty 1-d array of env indices, got {env_ids!r}.")
@@ -71,12 +83,7 @@ class FirstReady:
         position[env_ids] = np.arange(len(env_ids))
         workers = np.unique(self._env_worker[env_ids]).tolist()
         plan = [(w, _as_rows(position[self._slices[w]])) for w in workers]
-        busy = sorted(set(workers).intersection(self.busy_workers()))
-        if busy:
-            raise ValueError(
-                f"`env_ids` include envs of workers {busy} whose last results recv() has not returned yet: "
-                "send() takes the envs that recv() returned."
-            )
+        self._refuse_busy(workers)
         for w, rows in plan:
             if isinstance(rows, np.ndarray) and (rows < 0).any():
                 sl = self._slices[w]
@@ -85,6 +92,14 @@ class FirstReady:
                     f"envs {sl.start}..{sl.stop - 1}, but only some of them were given."
                 )
         return len(env_ids), plan
+
+    def _refuse_busy(self, workers: list[int]) -> None:
+        busy = sorted(set(workers).intersection(self.busy_workers()))
+        if busy:
+            raise ValueError(
+                f"`env_ids` include envs of workers {busy} whose last results recv() has not returned yet: "
+                "send() takes the envs that recv() returned."
+            )
 
     @staticmethod
     def step_commands(leaves: list[np.ndarray], plan: Plan) -> dict[int, Any]:
@@ -115,9 +130,11 @@ class FirstReady:
         rewards, terminations, truncations = np.zeros(n), np.zeros(n, np.bool_), np.zeros(n, np.bool_)
         infos: dict[str, Any] = {}
         offset = 0
+        plan: Plan = []
         for w, what, msg in ready:
             sl = self._slices[w]
             rows = slice(offset, offset + sl.stop - sl.start)
+            plan.append((w, rows))
             buffers.write_observations(sl, msg, n_extra=len(STEP_FIELDS) if what == "step" else 0)
             if what == "step":
                 rewards[rows], terminations[rows], truncations[rows] = step_fields(msg)
@@ -128,6 +145,7 @@ class FirstReady:
             if payload:
                 infos = merge_infos(infos, payload, n, offset)
             offset = rows.stop
+        self._returned = (env_ids.copy(), plan)  # a copy: the caller may write into the env_ids it gets
         return buffers.rows(env_ids), rewards, terminations, truncations, infos, env_ids
 
     def reset_replacement(self, pool: WorkerPool, worker_id: int) -> None:

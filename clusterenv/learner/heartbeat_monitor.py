@@ -36,7 +36,7 @@ class HeartbeatMonitor:
     Args:
         context: the learner's ZeroMQ context.
         address: heartbeat bind address (``None``: a private ipc socket).
-        key: the shared HMAC secret.
+        key: the shared secret.
         config: the heartbeat constants.
         curve: encrypt, as the command socket does.
     """

@@ -36,8 +36,7 @@ import secrets
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import zmq
@@ -94,9 +93,8 @@ class OnLoss(enum.Enum):
     RAISE = "raise"
 
 
-@dataclass(frozen=True)
-class _Sent:
-    """A worker's latest command, kept to replay it to a replacement."""
+class _Sent(NamedTuple):
+    """A worker's latest command, kept to replay it to a replacement (a tuple: one is made per worker and step)."""
 
     kind: Kind
     meta: Mapping[str, Any] | None
@@ -111,7 +109,7 @@ class WorkerPool:
     Args:
         num_workers: how many workers (ids ``0 .. num_workers - 1``).
         bind: learner address; ``None`` is a private ``ipc://`` socket. Non-loopback addresses require a secret.
-        secret: shared HMAC secret (or ``$CLUSTERENV_SECRET``); random when workers are local.
+        secret: the shared secret that keys every connection (or ``$CLUSTERENV_SECRET``); random when workers are local.
         launcher: ``"local"``, ``"external"``, ``"ray"`` or a :class:`~clusterenv.launch.launchers.Launcher`.
         heartbeat: heartbeat constants; a worker whose heartbeat connection drops (dead or frozen) is lost.
         on_worker_failure: ``"raise"``, ``"restart"`` (a new process per lost one) or ``"rehome"``
@@ -509,21 +507,21 @@ class WorkerPool:
         weights answering its pull, the learner's probe outputs), which is recovered as that
         command declared.
         """
+        frames_for, serving, identities = self._channel.frames, self.serving, self._identities
         encoded = [
             (
                 w,
                 None  # its process was given up (rehome): the gather that follows moves the worker
-                if self.serving[w] in self._retired
-                else self._channel.frames(
-                    kind, self._header(w, meta), list(arrays), list(blobs), to=self._identities[w]
-                ),
+                if serving[w] in self._retired
+                else frames_for(kind, self._header(w, meta), arrays, blobs, to=identities[w]),
             )
             for w, (meta, arrays, blobs) in commands.items()
         ]
+        sent_at = time.monotonic()
         for (worker_id, frames), (meta, arrays, blobs) in zip(encoded, commands.values(), strict=True):
             if on_loss is not None:  # a command, not a message that serves one (weights, probe outputs)
                 self._last_sent[worker_id] = _Sent(kind, meta, arrays, blobs, on_loss)
-                self._sent_at[worker_id] = time.monotonic()
+                self._sent_at[worker_id] = sent_at
                 self._awaiting.add(worker_id)
             if frames is None:
                 self._failed.add(worker_id)

@@ -269,13 +269,14 @@ class PolicyRunner:
         self._learner.copy_from(source, self._version)
         if self._stream is not None and self._stream.started:
             self._pump(0.0)
+            outputs = self._probe_outputs() if self.send_probes else [None] * self.envs.num_workers
             for w in range(self.envs.num_workers):
                 if self.sync.pulls_every_version:
                     # The worker would ask for it at once; sending it now saves the request's
                     # round trip, which would wait for the learner's next rollout() call.
                     self._send_weights(w)
                     self._stream.pushed[w] = self._version
-                self._send_probe(w)
+                self._send_probe(w, outputs=outputs[w])
         return self._version
 
     @property
@@ -489,8 +490,11 @@ class PolicyRunner:
         record.pulls += 1
         record.weight_bytes += sum(a.nbytes for a in self._weights)
 
-    def _send_probe(self, worker_id: int, rollout_id: int | None = None) -> None:
-        """Send the latest version's outputs on the worker's latest probe states (prefetch mode)."""
+    def _send_probe(self, worker_id: int, rollout_id: int | None = None, outputs: np.ndarray | None = None) -> None:
+        """Send the latest version's outputs on the worker's latest probe states (prefetch mode).
+
+        ``outputs``: already computed (``publish`` computes every worker's in one forward pass).
+        """
         stream = self._stream
         assert stream is not None
         obs = self._probe_obs[worker_id]
@@ -498,7 +502,8 @@ class PolicyRunner:
             return
         rollout_id = stream.probe_id[worker_id] if rollout_id is None else rollout_id
         stream.probe_id[worker_id] = rollout_id
-        outputs = self._learner.outputs(unflatten(self.envs.single_observation_space, obs))
+        if outputs is None:
+            outputs = self._learner.outputs(unflatten(self.envs.single_observation_space, obs))
         meta = ProbeMeta(rollout_id=rollout_id, version=self._version)
         self.envs.pool.send(worker_id, Kind.PROBE, meta, [outputs])
         self._telemetry.workers[worker_id].probe_bytes += outputs.nbytes

@@ -136,7 +136,7 @@ class ClusterEnv(VectorEnv):
             start_timeout: seconds to wait for workers to join and build their envs.
             bind: learner address; ``None`` is a private ``ipc://`` socket. Non-loopback
                 addresses require a ``secret``.
-            secret: shared HMAC secret (or ``$CLUSTERENV_SECRET``); random when workers are local.
+            secret: the shared secret that keys every connection (or ``$CLUSTERENV_SECRET``); random when workers are local.
             launcher: what starts the workers: ``"local"`` child processes (default), ``"external"``
                 (started by hand or ``srun``, see docs/guides/multi-node.md), ``"ray"``, or a ``Launcher``.
             on_worker_failure: ``"raise"`` a ``WorkerLostError``; ``"restart"`` the worker (a new

@@ -20,7 +20,7 @@ Encryption (``ClusterEnv(encrypt=True)``) is CurveZMQ under all of that: the lea
 keypair and the workers' shared keypair are derived from the secret (:class:`Curve`),
 so a peer without the secret fails ZeroMQ's own handshake and none of its messages is
 ever read into the learner's memory; and messages cross the network encrypted. CurveZMQ
-authenticates every message, so the HMAC then skips the array frames, as on ``ipc://``.
+authenticates every message, so the MAC then skips the array frames, as on ``ipc://``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import secrets
 import shutil
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -49,10 +49,9 @@ from clusterenv.wire.protocol import (
     Kind,
     Message,
     Session,
-    coalesce,
     derive_key,
-    encode,
     hello_session,
+    pack,
     parse,
     session_pair,
     split,
@@ -340,8 +339,8 @@ class Channel:
         self,
         kind: Kind,
         meta: Mapping[str, Any] | None = None,
-        arrays: list[np.ndarray] | tuple[np.ndarray, ...] = (),
-        blobs: list[bytes] | tuple[bytes, ...] = (),
+        arrays: Sequence[np.ndarray] = (),
+        blobs: Sequence[bytes] = (),
         *,
         to: bytes | None = None,
     ) -> None:
@@ -356,8 +355,8 @@ class Channel:
         self,
         kind: Kind,
         meta: Mapping[str, Any] | None = None,
-        arrays: list[np.ndarray] | tuple[np.ndarray, ...] = (),
-        blobs: list[bytes] | tuple[bytes, ...] = (),
+        arrays: Sequence[np.ndarray] = (),
+        blobs: Sequence[bytes] = (),
         *,
         to: bytes | None = None,
     ) -> list[Any]:
@@ -372,14 +371,12 @@ class Channel:
         session: Session,
         kind: Kind,
         meta: Mapping[str, Any] | None,
-        arrays: list[np.ndarray] | tuple[np.ndarray, ...],
-        blobs: list[bytes] | tuple[bytes, ...],
+        arrays: Sequence[np.ndarray],
+        blobs: Sequence[bytes],
     ) -> list[Any]:
         session.sent += 1
-        return coalesce(
-            encode(
-                kind, meta, arrays, blobs, mac=session.send_mac, counter=session.sent, cover_arrays=self.cover_arrays
-            )
+        return pack(
+            kind, meta, arrays, blobs, key=session.send_key, counter=session.sent, cover_arrays=self.cover_arrays
         )
 
     def _send(
@@ -387,8 +384,8 @@ class Channel:
         session: Session,
         kind: Kind,
         meta: Mapping[str, Any] | None,
-        arrays: list[np.ndarray] | tuple[np.ndarray, ...],
-        blobs: list[bytes] | tuple[bytes, ...],
+        arrays: Sequence[np.ndarray],
+        blobs: Sequence[bytes],
         to: bytes | None,
     ) -> None:
         self.send_frames(self._encode(session, kind, meta, arrays, blobs), to=to)
@@ -446,7 +443,7 @@ class Channel:
                     if hello is not None:
                         return sender, hello
                 else:
-                    counter, n_arrays = verify(frames, mac=session.recv_mac, cover_arrays=self.cover_arrays)
+                    counter, n_arrays = verify(frames, key=session.recv_key, cover_arrays=self.cover_arrays)
                     if counter <= session.received:
                         raise ProtocolError(
                             f"Message counter {counter} is not above the last one received ({session.received}): "
@@ -464,7 +461,7 @@ class Channel:
         if sender is not None and sender in self._pending:  # the learner awaits this peer's JOIN
             session, hello = self._pending[sender]
             try:
-                counter, n_arrays = verify(frames, mac=session.recv_mac, cover_arrays=self.cover_arrays)
+                counter, n_arrays = verify(frames, key=session.recv_key, cover_arrays=self.cover_arrays)
             except ProtocolError:
                 pass  # not the JOIN: maybe a new HELLO, checked below
             else:
@@ -476,7 +473,7 @@ class Channel:
                 return hello
         if not self.accept_joins and self._hello_nonce is None:
             raise ProtocolError("The peer has not joined.")
-        _, n_arrays = verify(frames, mac=self._hello_session().recv_mac, cover_arrays=self.cover_arrays)
+        _, n_arrays = verify(frames, key=self._hello_session().recv_key, cover_arrays=self.cover_arrays)
         msg = _decoded(frames, n_arrays)
         if sender is None:  # a worker: the learner's WELCOME
             nonce = msg.meta.get("nonce")
