@@ -57,7 +57,9 @@ def alone(env_fn, seed: int, actions: list, mode: AutoresetMode) -> list:
 
 @pytest.mark.parametrize("mode", MODES, ids=[m.value for m in MODES])
 @pytest.mark.parametrize("batch_size", [4, 12])
-def test_each_env_steps_exactly_as_it_would_alone(mode, batch_size):
+@pytest.mark.parametrize("reorder", [False, True], ids=["as-returned", "reversed-in-place"])
+def test_each_env_steps_exactly_as_it_would_alone(mode, batch_size, reorder):
+    """``reorder``: the envs are given back in reverse order, written into the very array recv() returned."""
     env_fn = functools.partial(JitteryRichEnv, "discrete")
     num_envs, seed, rounds = 12, 5, 60
     records: list[list] = [[] for _ in range(num_envs)]
@@ -75,6 +77,8 @@ def test_each_env_steps_exactly_as_it_would_alone(mode, batch_size):
                 records[i].append(
                     (env_obs(obs, row), float(rewards[row]), bool(terminations[row]), bool(truncations[row]), info)
                 )
+            if reorder:
+                env_ids[:] = env_ids[::-1].copy()
             chosen = np.array([pickers[i].integers(3) for i in env_ids])
             for row, i in enumerate(env_ids):
                 actions[i].append(int(chosen[row]))
