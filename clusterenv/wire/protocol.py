@@ -295,6 +295,23 @@ def _header(kind: Kind, meta: Mapping[str, Any] | None, arrays: Sequence[np.ndar
     return header
 
 
+def _signed(
+    kind: Kind,
+    meta: Mapping[str, Any] | None,
+    arrays: Sequence[np.ndarray],
+    blobs: Sequence[bytes],
+    key: bytes,
+    counter: int,
+    cover_arrays: bool,
+) -> tuple[list[Any], list[int], bytes]:
+    """A message's frames, their byte lengths and its trailer."""
+    contiguous = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in arrays]
+    frames: list[Any] = [_header(kind, meta, contiguous, len(blobs)), *contiguous, *blobs]
+    sizes = _sizes(frames)
+    tag = _mac(key, counter, len(contiguous), sizes, cover_arrays, frames)
+    return frames, sizes, _TRAILER.pack(counter, len(contiguous), tag)
+
+
 def encode(
     kind: Kind,
     meta: Mapping[str, Any] | None = None,
@@ -306,10 +323,8 @@ def encode(
     cover_arrays: bool,
 ) -> list[Any]:
     """Frames for one message, ending with its trailer (``counter`` and the MAC under ``key``)."""
-    contiguous = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in arrays]
-    frames: list[Any] = [_header(kind, meta, contiguous, len(blobs)), *contiguous, *blobs]
-    frames.append(trailer(key, counter, len(contiguous), frames, cover_arrays))
-    return frames
+    frames, _, end = _signed(kind, meta, arrays, blobs, key, counter, cover_arrays)
+    return [*frames, end]
 
 
 def pack(
@@ -322,12 +337,8 @@ def pack(
     counter: int,
     cover_arrays: bool,
 ) -> list[Any]:
-    """What is sent: the frames of ``coalesce(encode(...))``, a small message built with one join and one MAC call."""
-    contiguous = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in arrays]
-    n_arrays = len(contiguous)
-    frames: list[Any] = [_header(kind, meta, contiguous, len(blobs)), *contiguous, *blobs]
-    sizes = _sizes(frames)
-    end = _TRAILER.pack(counter, n_arrays, _mac(key, counter, n_arrays, sizes, cover_arrays, frames))
+    """What is sent: the frames of ``coalesce(encode(...))``, a small message built with one join."""
+    frames, sizes, end = _signed(kind, meta, arrays, blobs, key, counter, cover_arrays)
     if sum(sizes) + TRAILER_BYTES > COALESCE_BYTES:
         return [*frames, end]
     return [b"".join([_table(len(sizes) + 1).pack(len(sizes) + 1, *sizes, TRAILER_BYTES), *frames, end])]
