@@ -39,7 +39,6 @@ from clusterenv.wire.protocol import (
     session_pair,
     split,
     trailer,
-    verify,
 )
 from clusterenv.wire.transport import DROP_LOG_BURST, PRE_JOIN_BYTES, SECRET_ENV_VAR, Channel
 from tests.conftest import assert_same
@@ -185,9 +184,8 @@ def itemsize(name: str) -> int:
 
 
 def decode(frames, *, key, cover_arrays):
-    """What a receiving end does: check the MAC before anything is parsed, then parse."""
-    _, n_arrays = verify(frames, key=key, cover_arrays=cover_arrays)
-    return parse(frames, n_arrays)
+    """What a receiving end does (``protocol.decode``): check the MAC before anything is parsed, then parse."""
+    return protocol.decode(frames, key=key, cover_arrays=cover_arrays)[1]
 
 
 def signed(frames: list[bytes], n_arrays: int, counter: int = 1) -> list[bytes]:
