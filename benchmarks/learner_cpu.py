@@ -15,6 +15,7 @@ time (all its threads, ZeroMQ's I/O thread included) per batch step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -28,7 +29,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -79,7 +82,8 @@ def _check(key: bytes, frames: list[zmq.Frame]) -> list[np.ndarray]:
     return [np.frombuffer(f.buffer, dtype=d).reshape(s) for (d, s), f in zip(specs, frames[1:-1], strict=True)]
 
 
-def floor_worker(address: str, identity: bytes, key: bytes, step_s: float) -> None:
+def floor_worker(address: str, identity: bytes, key: bytes, step_s: float, sigma: float = 0.0) -> None:
+    """One bare-pyzmq worker: check the command's MAC, sleep ``step_s`` (lognormal spread ``sigma``, mean kept), reply."""
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.IDENTITY, identity)
@@ -88,34 +92,55 @@ def floor_worker(address: str, identity: bytes, key: bytes, step_s: float) -> No
     socket.send(b"hello")
     obs, reward = np.zeros((1, 4), np.float32), np.ones(1)
     done = np.zeros(1, np.bool_)
+    rng = np.random.default_rng()
     while True:
         frames = socket.recv_multipart(copy=False)
         if frames[0].bytes == b"stop":
             break
         _check(key, frames)
-        time.sleep(step_s)
+        time.sleep(float(rng.lognormal(np.log(step_s) - sigma**2 / 2, sigma)) if sigma else step_s)
         socket.send_multipart(_frames(key, 103, [obs, reward, done, done]), copy=False)
     socket.close()
     context.term()
 
 
-def floor_cpu(n: int, args: Args) -> float:
-    """Learner CPU seconds per batch step of the bare exchange."""
-    key = secrets.token_bytes(32)
+@contextlib.contextmanager
+def worker_router(n: int, target: Callable[..., None], *args: Any) -> Iterator[tuple[zmq.Socket, list[bytes]]]:
+    """A ROUTER on a private ``ipc://`` socket and ``n`` spawned ``target(address, identity, *args)`` workers.
+
+    Yields once every worker has said hello; sends each ``b"stop"`` and ends them on exit.
+    """
     context = zmq.Context()
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
-    scratch = tempfile.TemporaryDirectory(prefix="learner-floor-")  # removed with the socket file at the end
+    scratch = tempfile.TemporaryDirectory(prefix="bare-pyzmq-")  # removed with the socket file at the end
     address = f"ipc://{scratch.name}/router.sock"
     router.bind(address)
     identities = [b"w%d" % i for i in range(n)]
     spawn = mp.get_context("spawn")
-    processes = [spawn.Process(target=floor_worker, args=(address, i, key, args.step_ms / 1000)) for i in identities]
+    processes = [spawn.Process(target=target, args=(address, i, *args)) for i in identities]
     for p in processes:
         p.start()
     try:
         for _ in identities:
             router.recv_multipart()
+        yield router, identities
+    finally:
+        for identity in identities:
+            router.send_multipart([identity, b"stop"])
+        for p in processes:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+        router.close()
+        context.term()
+        scratch.cleanup()
+
+
+def floor_cpu(n: int, args: Args) -> float:
+    """Learner CPU seconds per batch step of the bare exchange."""
+    key = secrets.token_bytes(32)
+    with worker_router(n, floor_worker, key, args.step_ms / 1000) as (router, identities):
         obs = np.zeros((n, 4), np.float32)
         rewards, terminations, truncations = np.zeros(n), np.zeros(n, np.bool_), np.zeros(n, np.bool_)
         index = {identity: i for i, identity in enumerate(identities)}
@@ -131,16 +156,6 @@ def floor_cpu(n: int, args: Args) -> float:
                 obs[i], rewards[i], terminations[i], truncations[i] = o[0], r[0], te[0], tr[0]
 
         return _timed(step, args.steps)
-    finally:
-        for identity in identities:
-            router.send_multipart([identity, b"stop"])
-        for p in processes:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-        router.close()
-        context.term()
-        scratch.cleanup()
 
 
 def clusterenv_cpu(n: int, args: Args) -> float:

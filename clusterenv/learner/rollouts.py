@@ -268,7 +268,7 @@ class PolicyRunner:
         self._weights = weights
         self._learner.copy_from(source, self._version)
         if self._stream is not None and self._stream.started:
-            self._pump(0.0)
+            answered = set(self._pump(0.0))  # their results got this version's probe outputs already
             outputs = self._probe_outputs() if self.send_probes else [None] * self.envs.num_workers
             for w in range(self.envs.num_workers):
                 if self.sync.pulls_every_version:
@@ -276,7 +276,8 @@ class PolicyRunner:
                     # round trip, which would wait for the learner's next rollout() call.
                     self._send_weights(w)
                     self._stream.pushed[w] = self._version
-                self._send_probe(w, outputs=outputs[w])
+                if w not in answered:
+                    self._send_probe(w, outputs=outputs[w])
         return self._version
 
     @property
