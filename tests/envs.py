@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import subprocess
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -384,3 +385,23 @@ class ObservationSpaceEnv(gym.Env):
 
     def step(self, action):
         return self.observation_space.sample(), 0.0, False, False, {}
+
+
+#: An id that :func:`make_after_registering` registers, as a package such as ale-py does on import.
+SELF_REGISTERED_ID = "clusterenv-test/SelfRegistered-v0"
+
+
+def register_self_registered(max_episode_steps: int = 5) -> None:
+    gym.register(
+        SELF_REGISTERED_ID,
+        entry_point=RichSpacesEnv,
+        max_episode_steps=max_episode_steps,
+        kwargs={"action_kind": "box"},
+    )
+
+
+def make_after_registering(max_episode_steps: int = 5) -> gym.Env:
+    """A CleanRL-style factory: it registers its env ids (``import ale_py``), warns about something, and makes one."""
+    register_self_registered(max_episode_steps)
+    warnings.warn("a factory's own warning", UserWarning, stacklevel=1)
+    return gym.make(SELF_REGISTERED_ID)

@@ -16,12 +16,15 @@ import clusterenv
 from clusterenv import ClusterEnv, RemoteEnvError, WorkerTimeoutError
 from tests.conftest import assert_same
 from tests.envs import (
+    SELF_REGISTERED_ID,
     FailingEnv,
     ObservationSpaceEnv,
     RichSpacesEnv,
     SlowEnv,
     TextActionEnv,
     UnsortedDictActionEnv,
+    make_after_registering,
+    register_self_registered,
 )
 
 CARTPOLE = functools.partial(gym.make, "CartPole-v1")
@@ -188,6 +191,30 @@ def test_an_env_id_registered_only_in_the_learner_is_known_in_the_workers(layout
         reference.close()
     finally:
         del gym.registry[env_id]
+
+
+def _self_registered_run(layout, max_episode_steps: int, capfd) -> str:
+    """What the workers print building envs whose factory registers its id again (the learner registered it)."""
+    register_self_registered()
+    try:
+        with ClusterEnv([functools.partial(make_after_registering, max_episode_steps)] * 2, **layout) as envs:
+            envs.reset(seed=0)
+    finally:
+        del gym.registry[SELF_REGISTERED_ID]
+    return capfd.readouterr().err
+
+
+def test_a_factory_registering_the_learners_ids_again_prints_no_override_warnings(layout, capfd):
+    printed = _self_registered_run(layout, 5, capfd)
+    assert "Overriding environment" not in printed
+    assert (
+        printed.count("UserWarning: a factory's own warning") == 2
+    )  # every other warning is still shown, once per process
+
+
+def test_a_factory_registering_an_id_differently_from_the_learner_is_still_warned_about(layout, capfd):
+    printed = _self_registered_run(layout, 7, capfd)
+    assert printed.count(f"Overriding environment {SELF_REGISTERED_ID} already in registry") == 2
 
 
 # -- envs addressed by index, functions run where the envs live, per-env reset options ---------

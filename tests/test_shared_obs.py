@@ -79,11 +79,16 @@ def test_small_observations_travel_as_frames(caplog):
 
 
 def test_the_shared_file_is_removed_once_workers_have_mapped_it():
-    before = set(glob.glob("/dev/shm/clusterenv-obs-*") + glob.glob("/tmp/clusterenv-obs-*"))
+    def ours() -> set[str]:  # this process's only: tests running in parallel make their own
+        return set(
+            glob.glob(f"/dev/shm/clusterenv-obs-{os.getpid()}-*") + glob.glob(f"/tmp/clusterenv-obs-{os.getpid()}-*")
+        )
+
+    before = ours()
     with ClusterEnv([functools.partial(ImageEnv, False)] * 4, num_workers=2) as envs:
         envs.reset(seed=0)
         envs.step(np.zeros(4, dtype=np.int64))
-        assert set(glob.glob("/dev/shm/clusterenv-obs-*") + glob.glob("/tmp/clusterenv-obs-*")) == before
+        assert ours() == before
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from clusterenv.wire.protocol import Kind, Message
 from clusterenv.wire.transport import Channel
 from clusterenv.worker.env_processes import ProcVectorEnv
 from clusterenv.worker.failures import EnvFailure, EnvTracker, error_reply
-from clusterenv.worker.recording_env import RecordingVectorEnv, build, dumps, install_registry
+from clusterenv.worker.recording_env import RecordingVectorEnv, build, dumps, learner_registry
 
 __all__ = ["Mailbox", "Worker"]
 
@@ -142,20 +142,20 @@ class Worker:
         self.env_offset = meta["env_offset"]
         procs = self.procs if self.procs is not None else meta["procs_per_worker"]
         context = pickle.loads(msg.blobs[0])
-        install_registry(context["registry"])
         mode = context["observation_space"] if meta["observation_mode"] == "custom" else meta["observation_mode"]
         autoreset_mode, env_blobs = AutoresetMode(meta["autoreset_mode"]), list(msg.blobs[1:])
-        if procs > 1:
-            self.envs = ProcVectorEnv(
-                env_blobs,
-                procs,
-                observation_mode=mode,
-                autoreset_mode=autoreset_mode,
-                env_offset=self.env_offset,
-                registry=context["registry"],
-            )
-        else:
-            self.envs = build(env_blobs, mode, autoreset_mode, self.tracker)
+        with learner_registry(context["registry"]):
+            if procs > 1:  # each env process installs the registry too, and builds its part
+                self.envs = ProcVectorEnv(
+                    env_blobs,
+                    procs,
+                    observation_mode=mode,
+                    autoreset_mode=autoreset_mode,
+                    env_offset=self.env_offset,
+                    registry=context["registry"],
+                )
+            else:
+                self.envs = build(env_blobs, mode, autoreset_mode, self.tracker)
         if meta["replacement"] and self.envs.autoreset_mode is AutoresetMode.NEXT_STEP:
             # A replacement for a lost worker: its envs' episodes were cut short, so under
             # NEXT_STEP their next step is the autoreset step (see docs/guides/fault-tolerance.md).

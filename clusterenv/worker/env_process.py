@@ -27,7 +27,7 @@ from gymnasium.vector import AutoresetMode
 
 from clusterenv.wire.leaves import batch_of_items, is_array_tree, unflatten
 from clusterenv.worker.failures import EnvFailure, EnvTracker
-from clusterenv.worker.recording_env import RecordingVectorEnv, build, dumps, install_registry
+from clusterenv.worker.recording_env import RecordingVectorEnv, build, dumps, learner_registry
 
 __all__ = ["main"]
 
@@ -46,8 +46,8 @@ class _ChildEnvs:
 
     def init(self, payload: tuple[list[bytes], Any, str, dict[str, bytes]]) -> dict[str, Any]:
         env_blobs, observation_mode, autoreset_mode, registry = payload
-        install_registry(registry)
-        self.envs = build(env_blobs, observation_mode, AutoresetMode(autoreset_mode), self.tracker)
+        with learner_registry(registry):
+            self.envs = build(env_blobs, observation_mode, AutoresetMode(autoreset_mode), self.tracker)
         self.array_obs = is_array_tree(self.envs.single_observation_space)
         return self.envs.description()
 

@@ -8,10 +8,13 @@ processes each step a part of the slice with one. Either way every per-env seman
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import pickle
-from collections.abc import Callable, Mapping
+import re
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import cloudpickle
@@ -26,9 +29,12 @@ from clusterenv.wire.infos import InfoRecord
 from clusterenv.wire.leaves import leaf_arrays
 from clusterenv.worker.failures import EnvTracker, TrackedEnvs
 
-__all__ = ["RecordingVectorEnv", "build", "dumps", "install_registry", "make_envs"]
+__all__ = ["RecordingVectorEnv", "build", "dumps", "install_registry", "learner_registry", "make_envs"]
 
 logger = logging.getLogger(__name__)
+
+# Gymnasium's warning when ``gym.register`` meets an id already in the registry.
+_OVERRIDDEN = re.compile(r"Overriding environment (\S+) already in registry")
 
 
 class RecordingVectorEnv(SyncVectorEnv):
@@ -144,7 +150,7 @@ class RecordingVectorEnv(SyncVectorEnv):
         }
 
 
-def install_registry(specs: dict[str, bytes]) -> None:
+def install_registry(specs: dict[str, bytes]) -> dict[str, EnvSpec]:
     """Know every env id the learner knew when it made the envs, before their factories run.
 
     An id registered only in the learner (``gym.register`` in the script, or a package such
@@ -152,7 +158,9 @@ def install_registry(specs: dict[str, bytes]) -> None:
     ``gym.make(id)`` would fail. ``specs`` maps each id to its pickled ``EnvSpec``; one that
     cannot be loaded here (its entry point's module is missing) is left out, and only a
     factory making that id fails. String entry points are imported when an env is made.
+    Returns the specs it registered (those this process did not already have as they are).
     """
+    installed = {}
     for env_id, blob in specs.items():
         try:
             spec: EnvSpec = pickle.loads(blob)
@@ -160,7 +168,32 @@ def install_registry(specs: dict[str, bytes]) -> None:
             logger.debug("Env id %r cannot be registered here: %s", env_id, exc)
             continue
         if gymnasium.registry.get(env_id) != spec:
-            gymnasium.registry[env_id] = spec
+            gymnasium.registry[env_id] = installed[env_id] = spec
+    return installed
+
+
+@contextlib.contextmanager
+def learner_registry(specs: dict[str, bytes]) -> Iterator[None]:
+    """:func:`install_registry` for a block that builds envs, without its echo in the warnings.
+
+    A factory that registers its env ids itself (``import ale_py`` in CleanRL's ``make_env``)
+    registers again the ids installed here, and Gymnasium warns "Overriding environment"
+    for each: for ale-py, hundreds of warnings per worker. Such a warning is dropped where the id
+    ends up with the very spec the learner had; any other warning of the block (an id
+    registered differently here than in the learner included) is shown, after the block.
+    """
+    installed = install_registry(specs)
+    caught: list[warnings.WarningMessage] = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            yield
+    finally:  # outside catch_warnings: what is kept is shown as it would have been
+        for warning in caught:
+            overridden = _OVERRIDDEN.search(str(warning.message))
+            if overridden is not None and overridden[1] in installed:
+                if gymnasium.registry.get(overridden[1]) == installed[overridden[1]]:
+                    continue
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
 
 
 def build(
