@@ -207,9 +207,8 @@ def _self_registered_run(layout, max_episode_steps: int, capfd) -> str:
 def test_a_factory_registering_the_learners_ids_again_prints_no_override_warnings(layout, capfd):
     printed = _self_registered_run(layout, 5, capfd)
     assert "Overriding environment" not in printed
-    assert (
-        printed.count("UserWarning: a factory's own warning") == 2
-    )  # every other warning is still shown, once per process
+    # Every other warning is still shown, once per process that builds envs.
+    assert printed.count("UserWarning: a factory's own warning") == 2
 
 
 def test_a_factory_registering_an_id_differently_from_the_learner_is_still_warned_about(layout, capfd):
