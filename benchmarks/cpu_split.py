@@ -2,9 +2,9 @@
 
 On a machine with few cores every process competes for the same CPU: the envs, the
 learner, each worker process's own Python and each process's ZeroMQ I/O thread. This
-runs a workload for ``--seconds``, reads every thread's CPU time (user + system, in ns, from
-``/proc/<pid>/task/<tid>/schedstat``) before and after (Linux only), and reports it per batch step (one step of every
-env), for:
+runs a workload for ``--seconds``, reads every thread's CPU time (user + system, in ns,
+from ``/proc/<pid>/task/<tid>/schedstat``) before and after (Linux only), and reports it
+per batch step (one step of every env), for:
 
 * ``SyncVectorEnv`` in this process: the envs' own work (CPU-bound workloads);
 * ``ClusterEnv``: the learner's main thread, its ZeroMQ I/O thread and its other threads
@@ -137,12 +137,12 @@ def _thread_cpu(pid: int) -> dict[tuple[int, int], tuple[str, float]]:
 
 
 @contextmanager
-def cpu_by_column(extra_pids: Callable[[], list[int]] = list) -> Iterator[dict[str, float]]:
+def cpu_by_column() -> Iterator[dict[str, float]]:
     """CPU seconds per column used inside the ``with`` block, by this process and its descendants."""
 
     def snapshot() -> dict[tuple[int, int], tuple[str, float]]:
         threads: dict[tuple[int, int], tuple[str, float]] = {}
-        for pid in {os.getpid(), *_descendants(os.getpid()), *extra_pids()}:
+        for pid in [os.getpid(), *_descendants(os.getpid())]:
             try:
                 threads.update(_thread_cpu(pid))
             except FileNotFoundError:
