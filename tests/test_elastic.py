@@ -147,7 +147,7 @@ def test_workers_lost_in_first_ready_mode_move_and_recv_reports_their_cut_episod
         steps = dict.fromkeys(range(NUM_ENVS), 0)
         cut = set()
         deadline = time.monotonic() + 30
-        # Every env comes back again and again; none is lost.
+        # Until every env has come back and each moved env's cut was reported: none is lost.
         while (cut != set(np.flatnonzero(MOVED).tolist()) or min(steps.values()) < 1) and time.monotonic() < deadline:
             obs, rewards, terminations, truncations, infos, env_ids = envs.recv()
             assert obs.shape == (4, 4)
