@@ -18,12 +18,12 @@
 #   python benchmarks/aps_report.py
 import json
 import os
-import sys
 from dataclasses import dataclass, field
 
 import numpy as np
 import tyro
 from aps_sweep import label  # noqa: I001 (the sibling script)
+from report import command_line  # the sibling module
 
 
 @dataclass
@@ -149,10 +149,6 @@ def fmt(value, digits=1):
     return "n/a" if value is None or (isinstance(value, float) and np.isnan(value)) else f"{value:.{digits}f}"
 
 
-def command_line() -> str:
-    return " ".join(["python benchmarks/aps_report.py", *sys.argv[1:]])
-
-
 def write(args, tasks, sweep_args, strategies, missing):
     lines = [
         "# APS against fixed schedules, across tasks",
@@ -166,7 +162,7 @@ def write(args, tasks, sweep_args, strategies, missing):
         "weight min(π_learner / π_acting, 1) (1: no correction). Early pulls: the share of a run's pulls made in "
         "the first half of training (0.5 for a fixed schedule).",
         "",
-        f"Produced by `{command_line()}` from {', '.join(f'`{s}.json`' for s in tasks)}.",
+        f"Produced by `{command_line(__file__)}` from {', '.join(f'`{s}.json`' for s in tasks)}.",
         "",
     ]
     for name, rows in tasks.items():

@@ -27,7 +27,6 @@ import json
 import logging
 import os
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -37,6 +36,7 @@ import torch
 import torch.nn as nn
 import torch.optim as optim
 import tyro
+from report import command_line  # the sibling module
 from torch.distributions.categorical import Categorical
 from torch.distributions.normal import Normal
 
@@ -382,11 +382,6 @@ def lag_histogram(runs):
     return " / ".join(f"{100 * c / counts.sum():.0f}" for c in counts)
 
 
-def command_line() -> str:
-    """The command that produced the results: this one, less ``--plot-only`` (which only redraws them)."""
-    return " ".join(["python benchmarks/aps_sweep.py", *(a for a in sys.argv[1:] if a != "--plot-only")])
-
-
 def write_report(args, results):
     lines = [
         "# APS sweep: PPO with local policies on clusterenv workers",
@@ -401,7 +396,7 @@ def write_report(args, results):
         "mean ± std over seeds. Pulls and lag: per worker, mean over seeds. Bytes: all workers, weights pulled "
         "(+ learner logits sent for KL checks).",
         "",
-        f"Produced by `{command_line()}`.",
+        f"Produced by `{command_line(__file__, drop=['--plot-only'])}`.",
         "",
     ]
     for env_id in sorted({r["env_id"] for r in results}):

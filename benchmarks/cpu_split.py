@@ -46,6 +46,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # workers import bench_envs from here
 from bench_envs import BurnEnv, SleepEnv, make_atari  # noqa: E402
 from learner_cpu import _check, _frames, floor_worker, worker_router  # noqa: E402
+from report import command_line  # noqa: E402
 
 from clusterenv import ClusterEnv  # noqa: E402
 
@@ -258,7 +259,7 @@ def _us(seconds: float) -> str:
 
 
 def table(cells: dict[str, dict[str, list[tuple[float, dict[str, float]]]]], args: Args) -> str:
-    command = "python benchmarks/cpu_split.py" + "".join(f" {a}" for a in sys.argv[1:])
+    command = command_line(__file__)
     lines = [
         f"`{command}` — CPU time (user + system) of every thread per batch step (one step of every env), "
         f"read from /proc/.../schedstat; {args.seconds:g} s per run, median of {args.repeats} (backends alternated); "

@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # workers import bench_envs from here
 from bench_envs import SleepEnv  # noqa: E402
+from report import command_line  # noqa: E402
 
 from clusterenv import ClusterEnv  # noqa: E402
 from clusterenv.wire.liveness import Heartbeat  # noqa: E402
@@ -161,7 +162,7 @@ def main(args: Args) -> None:
     if args.quick:
         args = dataclasses.replace(args, steps=4000, repeats=1)
     runs = [one_run(args) for _ in tqdm(range(args.repeats), desc="elastic")]
-    command = "python benchmarks/elastic.py" + "".join(f" {a}" for a in sys.argv[1:])
+    command = command_line(__file__)
     median = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
     lines = [
         f"`{command}` — {args.workers} workers × {args.envs_per_worker} SleepEnv ({args.step_ms:g} ms), "

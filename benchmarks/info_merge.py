@@ -16,11 +16,11 @@ import dataclasses
 import functools
 import pickle
 import statistics
-import sys
 import timeit
 from typing import Any
 
 import tyro
+from report import command_line  # the sibling module
 
 from clusterenv.wire.infos import merge_infos, pack_infos, replay_infos
 
@@ -59,7 +59,7 @@ def pack(records: list[tuple[int, dict[str, Any]]], per_worker: int) -> None:
 
 
 def main(args: Args) -> None:
-    print(f"`{' '.join(['python benchmarks/info_merge.py', *sys.argv[1:]])}` — Atari infos, µs per batch step\n")
+    print(f"`{command_line(__file__)}` — Atari infos, µs per batch step\n")
     print("| workers x envs | learner: replay records | learner: place packed | worker: pack (per worker) |")
     print("|---|---:|---:|---:|")
     for split in args.splits:

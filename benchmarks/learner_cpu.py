@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # workers import bench_envs from here
 from bench_envs import SleepEnv  # noqa: E402
+from report import command_line  # noqa: E402
 
 from clusterenv import ClusterEnv  # noqa: E402
 
@@ -185,7 +186,7 @@ def main(args: Args) -> None:
     for n, backend in tqdm(jobs, desc="learner CPU"):
         run = floor_cpu if backend == "floor" else clusterenv_cpu
         cells.setdefault(f"{n}:{backend}", []).append(run(n, args))
-    command = "python benchmarks/learner_cpu.py" + "".join(f" {a}" for a in sys.argv[1:])
+    command = command_line(__file__)
     lines = [
         f"`{command}` — one SleepEnv ({args.step_ms:g} ms) per worker, {args.steps} timed batch steps, median of "
         f"{args.repeats} (backends alternated); learner process CPU per batch step; {os.cpu_count()} cores, "

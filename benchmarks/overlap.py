@@ -30,6 +30,7 @@ from pathlib import Path
 import gymnasium as gym
 import torch
 import tyro
+from report import command_line  # the sibling module
 from torch import nn
 from tqdm import tqdm
 
@@ -112,7 +113,7 @@ def main(args: Args) -> None:
             prefetched = statistics.median(cells[f"{ratio}:{depth}"])
             cols.append(f"{prefetched:,.0f} ({prefetched / lockstep:.2f}x)")
         rows.append(f"| {ratio} | {' | '.join(cols)} | {ideal:.2f}x |")
-    command = " ".join(["python benchmarks/overlap.py", *sys.argv[1:]])
+    command = command_line(__file__)
     lines = [
         f"`{command}` — CartPole-v1, {args.num_envs} envs, {args.num_workers} workers, 64x64 MLP actor, "
         f"T={args.num_steps}, C = {collect_s * 1000:.0f} ms per lockstep rollout, {args.torch_threads} torch thread(s) "

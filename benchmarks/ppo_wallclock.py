@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import tyro
+from report import command_line  # the sibling module
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -76,7 +77,7 @@ def main(args: Args) -> None:
             results[name].append({"seed": seed, **outcome})
             print(f"seed {seed} {name}: {outcome['wall_s']:.1f} s, return {outcome['final_return']:.1f}", flush=True)
     base = statistics.median(r["wall_s"] for r in results["gym"]) if "gym" in results else None
-    command = "python benchmarks/ppo_wallclock.py" + "".join(f" {a}" for a in sys.argv[1:])
+    command = command_line(__file__)
     lines = [
         f"`{command}` — `examples/ppo_cartpole.py` defaults (8 envs), {args.total_timesteps:,} steps, seeds {list(args.seeds)}, "
         f"configurations alternated; {os.cpu_count()} cores, Python {platform.python_version()}.",

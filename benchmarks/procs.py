@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # workers import bench_envs from here
 from bench_envs import SleepEnv  # noqa: E402
+from report import command_line  # noqa: E402
 
 from clusterenv import ClusterEnv  # noqa: E402
 
@@ -113,9 +114,9 @@ def main(args: Args) -> None:
     cpu = {label: statistics.median(c for c, _ in runs) for label, runs in cells.items()}
     wall = {label: statistics.median(w for _, w in runs) for label, runs in cells.items()}
     floor = cpu[plan[1].label]
-    command = "python benchmarks/procs.py " + " ".join(sys.argv[1:])
+    command = command_line(__file__)
     lines = [
-        f"`{command.strip()}` — SleepEnv ({args.step_ms} ms sleep per step, no CPU), {args.steps} timed batch steps, "
+        f"`{command}` — SleepEnv ({args.step_ms} ms sleep per step, no CPU), {args.steps} timed batch steps, "
         f"median of {args.repeats} (configurations alternated); {CORES} cores, Python {platform.python_version()}.",
         "",
         "| configuration | envs | env processes | learner CPU per batch step | vs 2 peers x 1 env | wall per batch step |",

@@ -29,6 +29,7 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # workers import bench_envs from here
 from bench_envs import SleepEnv  # noqa: E402
+from report import command_line  # noqa: E402
 
 import clusterenv  # noqa: E402
 from clusterenv import ClusterEnv  # noqa: E402
@@ -97,7 +98,7 @@ def main(args: Args) -> None:
         totals[part_of(key)] = totals.get(part_of(key), 0.0) + own
     busy = sum(seconds for part, seconds in totals.items() if not part.startswith("waiting"))
     print(
-        f"`{' '.join(['python benchmarks/profile_step.py', *sys.argv[1:]])}` — clusterenv {clusterenv.__file__}; "
+        f"`{command_line(__file__)}` — clusterenv {clusterenv.__file__}; "
         f"{args.workload}, {args.num_envs} envs, {workers} workers: learner process CPU {cpu * 1e6:,.0f} µs and "
         f"wall {wall * 1e6:,.0f} µs per batch step (unprofiled)\n"
     )

@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # workers import bench_envs from here
 from bench_envs import BurnEnv, make_atari  # noqa: E402
+from report import command_line  # noqa: E402
 
 from clusterenv import ClusterEnv  # noqa: E402
 
@@ -311,10 +312,10 @@ def main(args: Args) -> None:
     text = table(cells, loads)
     print(text)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    command = "python benchmarks/throughput.py " + " ".join(sys.argv[1:])
+    command = command_line(__file__)
     machine = f"{CORES} cores ({platform.processor() or platform.machine()}), {platform.system()}; {versions()}"
     (args.out_dir / "throughput.md").write_text(
-        f"{text}\n\nCommand: `{command.strip()}`  \nMachine: {machine}  \n"
+        f"{text}\n\nCommand: `{command}`  \nMachine: {machine}  \n"
         f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n"
     )
     (args.out_dir / "throughput.json").write_text(json.dumps([dataclasses.asdict(c) for c in cells], indent=1))
