@@ -14,6 +14,11 @@ It is a third implementation of SB3's ``VecEnv`` contract beside ``DummyVecEnv``
 float32 rewards, per-env ``infos`` with ``"terminal_observation"`` and
 ``"TimeLimit.truncated"``, and ``reset_infos``. With the same seeds and actions it returns
 what ``DummyVecEnv`` returns.
+
+Envs are reset by SB3's rule, not Gymnasium's: ``options=`` only for an env that
+``set_options`` gave options, and an autoreset with no arguments at all. So envs written
+before Gymnasium 0.26 added ``options`` (``def reset(self, seed=None)``) train here as on
+``SubprocVecEnv``.
 """
 
 from __future__ import annotations
@@ -138,11 +143,13 @@ class ClusterVecEnv(VecEnv):
 
     def get_attr(self, attr_name: str, indices: VecEnvIndices = None) -> list[Any]:
         """Attribute ``attr_name`` of each env (``get_wrapper_attr``); an ``AttributeError`` if one lacks it."""
-        return list(self.cluster_env.apply(lambda env: env.get_wrapper_attr(attr_name), self._targets(indices)))
+        return list(
+            self.cluster_env.apply(lambda env: _user_env(env).get_wrapper_attr(attr_name), self._targets(indices))
+        )
 
     def set_attr(self, attr_name: str, value: Any, indices: VecEnvIndices = None) -> None:
         """Set ``attr_name`` to ``value`` on each env's outermost wrapper, as ``SubprocVecEnv`` does."""
-        self.cluster_env.apply(lambda env: setattr(env, attr_name, value), self._targets(indices))
+        self.cluster_env.apply(lambda env: setattr(_user_env(env), attr_name, value), self._targets(indices))
 
     def env_method(
         self, method_name: str, *method_args: Any, indices: VecEnvIndices = None, **method_kwargs: Any
@@ -150,13 +157,16 @@ class ClusterVecEnv(VecEnv):
         """Call method ``method_name`` of each env with the arguments; the results."""
         return list(
             self.cluster_env.apply(
-                lambda env: env.get_wrapper_attr(method_name)(*method_args, **method_kwargs), self._targets(indices)
+                lambda env: _user_env(env).get_wrapper_attr(method_name)(*method_args, **method_kwargs),
+                self._targets(indices),
             )
         )
 
     def env_is_wrapped(self, wrapper_class: type[gym.Wrapper], indices: VecEnvIndices = None) -> list[bool]:
         """Whether each env is wrapped in ``wrapper_class`` (SB3's ``is_wrapped``, run where the env lives)."""
-        return list(self.cluster_env.apply(lambda env: is_wrapped(env, wrapper_class), self._targets(indices)))
+        return list(
+            self.cluster_env.apply(lambda env: is_wrapped(_user_env(env), wrapper_class), self._targets(indices))
+        )
 
     def _targets(self, indices: VecEnvIndices) -> list[int]:
         return list(self._get_indices(indices))
@@ -166,13 +176,36 @@ class ClusterVecEnv(VecEnv):
 
 
 class _Patched:
-    """An env factory whose env passes through SB3's ``_patch_env`` (old ``gym`` envs), as in ``SubprocVecEnv``."""
+    """An env factory whose env passes through SB3's ``_patch_env`` (old ``gym`` envs), as in ``SubprocVecEnv``.
+
+    The env is then reset by SB3's rule (:class:`_SB3Reset`).
+    """
 
     def __init__(self, env_fn: Callable[[], Any]) -> None:
         self.env_fn = env_fn
 
     def __call__(self) -> gym.Env:
-        return _patch_env(self.env_fn())
+        return _SB3Reset(_patch_env(self.env_fn()))
+
+
+class _SB3Reset(gym.Wrapper):
+    """Resets the env as SB3's VecEnvs do: ``options=`` only when there are options for it.
+
+    ``DummyVecEnv`` and ``SubprocVecEnv`` call ``env.reset(seed=seed, **maybe_options)``, and
+    ``env.reset()`` to autoreset; Gymnasium's ``SyncVectorEnv``, which steps the envs in the
+    workers, passes ``options=None`` every time, which an env whose ``reset`` takes no
+    ``options`` refuses. The adapter's attribute methods look past this layer (:func:`_user_env`).
+    """
+
+    def reset(self, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+        if not kwargs.get("options"):
+            kwargs.pop("options", None)
+        return self.env.reset(**kwargs)
+
+
+def _user_env(env: gym.Env) -> gym.Env:
+    """The env as the user's factory made it (inside :class:`_SB3Reset`)."""
+    return env.env if isinstance(env, _SB3Reset) else env
 
 
 def _per_env(batched: dict[str, Any], num_envs: int) -> list[dict[str, Any]]:

@@ -405,3 +405,33 @@ def make_after_registering(max_episode_steps: int = 5) -> gym.Env:
     register_self_registered(max_episode_steps)
     warnings.warn("a factory's own warning", UserWarning, stacklevel=1)
     return gym.make(SELF_REGISTERED_ID)
+
+
+class NoOptionsEnv(gym.Env):
+    """An env written before Gymnasium 0.26 added ``options``: ``reset(self, seed=None)``.
+
+    A random walk whose reward and length depend on the seed, so equal episodes mean equal seeding.
+    """
+
+    observation_space = spaces.Box(-1.0, 1.0, (3,), np.float32)
+    action_space = spaces.Discrete(2)
+
+    def reset(self, seed=None):  # type: ignore[override]
+        super().reset(seed=seed)
+        self.t = 0
+        self.state = self.np_random.uniform(-0.5, 0.5, 3).astype(np.float32)
+        return self.state, {}
+
+    def step(self, action):
+        self.t += 1
+        push = self.np_random.normal(0.0, 0.2, 3) + (0.1 if action else -0.1)
+        self.state = np.clip(self.state + push, -1.0, 1.0).astype(np.float32)
+        return self.state, float(self.state[0]), bool(abs(self.state[1]) >= 1.0), self.t >= 25, {}
+
+
+class ResetArgumentsEnv(NoOptionsEnv):
+    """Reports in its reset info which keyword arguments its ``reset`` was given."""
+
+    def reset(self, **kwargs):  # type: ignore[override]
+        obs, _ = super().reset(seed=kwargs.get("seed"))
+        return obs, {"reset_arguments": sorted(kwargs)}

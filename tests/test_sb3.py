@@ -10,12 +10,13 @@ import pytest
 import torch
 
 sb3 = pytest.importorskip("stable_baselines3")
+from stable_baselines3.common.env_util import make_vec_env  # noqa: E402
 from stable_baselines3.common.monitor import Monitor  # noqa: E402
 from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize  # noqa: E402
 
 from clusterenv.sb3 import ClusterVecEnv  # noqa: E402
 from tests.conftest import assert_same  # noqa: E402
-from tests.envs import RichSpacesEnv  # noqa: E402
+from tests.envs import NoOptionsEnv, ResetArgumentsEnv, RichSpacesEnv  # noqa: E402
 
 
 def monitored_cartpole() -> gym.Env:
@@ -130,3 +131,50 @@ def test_training_is_bit_identical_to_dummy_vec_env(name, steps, hyperparameters
     assert weights.keys() == cluster_weights.keys()
     for key in weights:
         assert torch.equal(weights[key], cluster_weights[key]), key
+
+
+def no_options_returns(vec_env_cls: type) -> list[tuple[float, int]]:
+    vec_env_kwargs = {} if vec_env_cls is DummyVecEnv else {"num_workers": 2}
+    env = make_vec_env(NoOptionsEnv, n_envs=4, seed=5, vec_env_cls=vec_env_cls, vec_env_kwargs=vec_env_kwargs)
+    try:
+        model = sb3.PPO("MlpPolicy", env, seed=0, device="cpu", n_steps=32, batch_size=64, n_epochs=1)
+        episodes: list[tuple[float, int]] = []
+        model.learn(1024, callback=lambda locals_, _: episodes.extend(_episodes(locals_)) or True)
+    finally:
+        env.close()
+    return episodes
+
+
+def _episodes(locals_: dict) -> list[tuple[float, int]]:
+    return [(info["episode"]["r"], info["episode"]["l"]) for info in locals_.get("infos", []) if "episode" in info]
+
+
+def test_envs_whose_reset_takes_no_options_train_as_on_dummy_vec_env():
+    """SB3 passes ``options=`` only to envs that ``set_options`` gave options, and none when it autoresets."""
+    torch.set_num_threads(1)
+    episodes = no_options_returns(DummyVecEnv)
+    assert len(episodes) > 20
+    assert no_options_returns(ClusterVecEnv) == episodes
+
+
+def test_resets_get_the_arguments_dummy_vec_env_gives():
+    """``seed=`` always, ``options=`` only where set; an autoreset gets no arguments at all."""
+    envs = [DummyVecEnv([ResetArgumentsEnv] * 3), ClusterVecEnv([ResetArgumentsEnv] * 3, num_workers=2)]
+    try:
+        for env in envs:
+            env.seed(1)
+            env.set_options([None, {"level": 2}, {}])
+            env.reset()
+        assert envs[0].reset_infos[1]["reset_arguments"] == ["options", "seed"]
+        assert envs[0].reset_infos[0]["reset_arguments"] == envs[0].reset_infos[2]["reset_arguments"] == ["seed"]
+        same_infos(envs[0].reset_infos, envs[1].reset_infos)
+        for _ in range(25):  # every episode ends by step 25, and is reset without arguments
+            steps = [env.step(np.array([0, 1, 1])) for env in envs]
+            same_infos(steps[0][3], steps[1][3])
+            same_infos(envs[0].reset_infos, envs[1].reset_infos)
+        assert [info["reset_arguments"] for info in envs[1].reset_infos] == [[], [], []]
+        assert envs[1].get_attr("t") == envs[0].get_attr("t")  # attribute methods see the env itself
+        assert envs[1].env_is_wrapped(gym.Wrapper) == [False] * 3
+    finally:
+        for env in envs:
+            env.close()
