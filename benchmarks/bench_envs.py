@@ -19,7 +19,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-__all__ = ["BurnEnv", "SleepEnv", "make_atari"]
+__all__ = ["BurnEnv", "FrameReplayEnv", "SleepEnv", "make_atari", "record_breakout"]
 
 
 class BurnEnv(gym.Env):
@@ -82,3 +82,45 @@ def make_atari(env_id: str, **kwargs: Any) -> gym.Env:
 
     gym.register_envs(ale_py)
     return gym.make(env_id, **kwargs)
+
+
+class FrameReplayEnv(gym.Env):
+    """Replays recorded 84x84x4 uint8 frame stacks (``record_breakout``), starting at ``offset``: no CPU per step.
+
+    Real frames, so that what compression does to them is what it does to a game's; episodes never end.
+    """
+
+    metadata: dict[str, Any] = {"render_modes": []}
+
+    def __init__(self, path: str, offset: int = 0) -> None:
+        self._frames = np.load(path, mmap_mode="r")
+        self.observation_space = gym.spaces.Box(0, 255, shape=self._frames.shape[1:], dtype=np.uint8)
+        self.action_space = gym.spaces.Discrete(4)
+        self._t = offset
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict]:
+        super().reset(seed=seed)
+        return np.asarray(self._frames[self._t % len(self._frames)]), {}
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict]:
+        self._t += 1
+        return np.asarray(self._frames[self._t % len(self._frames)]), 0.0, False, False, {}
+
+
+def record_breakout(path: str, steps: int = 512, seed: int = 0) -> None:
+    """Write ``steps`` observations of Breakout, preprocessed and stacked as CleanRL's PPO sees them, to ``path`` (.npy)."""
+    import ale_py
+    from gymnasium.wrappers import AtariPreprocessing, FrameStackObservation
+
+    gym.register_envs(ale_py)
+    env = FrameStackObservation(AtariPreprocessing(gym.make("ALE/Breakout-v5", frameskip=1), frame_skip=4), 4)
+    env.action_space.seed(seed)
+    obs, _ = env.reset(seed=seed)
+    frames = []
+    for _ in range(steps):
+        obs, _, terminated, truncated, _ = env.step(env.action_space.sample())
+        frames.append(obs)
+        if terminated or truncated:
+            obs, _ = env.reset()
+    env.close()
+    np.save(path, np.stack(frames))

@@ -3,7 +3,7 @@
 Each worker holds one ``SleepEnv`` (a step waits ``--step-ms`` without using CPU), so the
 learner is idle between steps, as with a remote simulator. The floor is the same message
 exchange written directly on pyzmq: per step, a msgpack header, the action frame and a
-keyed BLAKE2b MAC (the one ClusterEnv uses) to each worker; per reply, a MAC check, a
+keyed BLAKE3 MAC (the one ClusterEnv uses) to each worker; per reply, a MAC check, a
 msgpack parse and the observation, reward, termination and truncation frames copied into
 batch arrays. Both run in one
 process run, alternated, repeated; the table gives medians of the learner process's CPU
@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import hmac
 import json
 import multiprocessing as mp
@@ -33,6 +32,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import blake3
 import msgpack
 import numpy as np
 import tyro
@@ -66,7 +66,7 @@ class Args:
 
 def _frames(key: bytes, kind: int, arrays: list[np.ndarray]) -> list[bytes | memoryview]:
     header = msgpack.packb([1, kind, {}, [(a.dtype.str, a.shape) for a in arrays], 0])
-    mac = hashlib.blake2b(header, key=key, digest_size=32)
+    mac = blake3.blake3(header, key=key)
     for a in arrays:
         mac.update(memoryview(a).cast("B"))
     return [header, *(memoryview(a).cast("B") for a in arrays), mac.digest()]
@@ -74,7 +74,7 @@ def _frames(key: bytes, kind: int, arrays: list[np.ndarray]) -> list[bytes | mem
 
 def _check(key: bytes, frames: list[zmq.Frame]) -> list[np.ndarray]:
     header = frames[0].bytes
-    mac = hashlib.blake2b(header, key=key, digest_size=32)
+    mac = blake3.blake3(header, key=key)
     for frame in frames[1:-1]:
         mac.update(frame.buffer)
     if not hmac.compare_digest(mac.digest(), frames[-1].bytes):
@@ -106,8 +106,10 @@ def floor_worker(address: str, identity: bytes, key: bytes, step_s: float, sigma
 
 
 @contextlib.contextmanager
-def worker_router(n: int, target: Callable[..., None], *args: Any) -> Iterator[tuple[zmq.Socket, list[bytes]]]:
-    """A ROUTER on a private ``ipc://`` socket and ``n`` spawned ``target(address, identity, *args)`` workers.
+def worker_router(
+    n: int, target: Callable[..., None], *args: Any, tcp: bool = False
+) -> Iterator[tuple[zmq.Socket, list[bytes]]]:
+    """A ROUTER on a private ``ipc://`` socket (``tcp``: a loopback port) and ``n`` spawned ``target(address, identity, *args)`` workers.
 
     Yields once every worker has said hello; sends each ``b"stop"`` and ends them on exit.
     """
@@ -115,8 +117,8 @@ def worker_router(n: int, target: Callable[..., None], *args: Any) -> Iterator[t
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     scratch = tempfile.TemporaryDirectory(prefix="bare-pyzmq-")  # removed with the socket file at the end
-    address = f"ipc://{scratch.name}/router.sock"
-    router.bind(address)
+    router.bind("tcp://127.0.0.1:*" if tcp else f"ipc://{scratch.name}/router.sock")
+    address = router.getsockopt_string(zmq.LAST_ENDPOINT)
     identities = [b"w%d" % i for i in range(n)]
     spawn = mp.get_context("spawn")
     processes = [spawn.Process(target=target, args=(address, i, *args)) for i in identities]

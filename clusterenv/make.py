@@ -18,7 +18,7 @@ __all__ = ["make_vec"]
 logger = logging.getLogger(__name__)
 
 # ``AsyncVectorEnv`` arguments about its own subprocesses and pipes: ClusterEnv's workers make them moot.
-_ASYNC_ONLY_KWARGS = ("shared_memory", "context", "daemon")
+_ASYNC_ONLY_KWARGS = ("context", "daemon")
 # Arguments that would change what runs in the workers: refused rather than silently dropped.
 _UNSUPPORTED_KWARGS = {
     "worker": "a custom AsyncVectorEnv `worker` function replaces the code that runs the envs; ClusterEnv workers "
@@ -44,8 +44,9 @@ def make_vec(
     over all of them), whichever mode is given, so a ``gymnasium.make_vec`` call needs no
     other change:
 
-    * ``"sync"``, ``"async"`` or none: the same. ``AsyncVectorEnv``'s own ``vector_kwargs``
-      (``shared_memory``, ``context``, ``daemon``) are accepted and have no effect; a custom
+    * ``"sync"``, ``"async"`` or none: the same. ``AsyncVectorEnv``'s ``shared_memory`` is
+      :class:`ClusterEnv`'s own (whether workers on this host write observations into shared
+      memory); its ``context`` and ``daemon`` are accepted and have no effect; a custom
       ``worker`` is refused.
     * ``"vector_entry_point"`` is refused: it asks for the env's own vectorized
       implementation (CartPole's ``CartPoleVectorEnv``), which runs in this process and

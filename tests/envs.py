@@ -435,3 +435,38 @@ class ResetArgumentsEnv(NoOptionsEnv):
     def reset(self, **kwargs):  # type: ignore[override]
         obs, _ = super().reset(seed=kwargs.get("seed"))
         return obs, {"reset_arguments": sorted(kwargs)}
+
+
+class SpriteEnv(gym.Env):
+    """Images like a game's: a dark screen, a sprite the actions move, and a few noisy pixels.
+
+    Frames compress well, as real game frames do, yet differ from step to step and env to env;
+    episodes end at random or after ``max_len`` steps, with infos that say where the sprite is.
+    """
+
+    action_space = spaces.Discrete(4)
+
+    def __init__(self, size: int = 96, max_len: int = 30) -> None:
+        self.observation_space = spaces.Box(0, 255, (size, size, 3), np.uint8)
+        self.size, self.max_len = size, max_len
+        self.t, self.position = 0, np.zeros(2, np.int64)
+
+    def _frame(self) -> np.ndarray:
+        frame = np.zeros((self.size, self.size, 3), np.uint8)
+        y, x = self.position
+        frame[y : y + 8, x : x + 8] = (200, 120, 40)
+        noise = self.np_random.integers(0, self.size, (6, 2))
+        frame[noise[:, 0], noise[:, 1]] = self.np_random.integers(0, 256, (6, 3), dtype=np.uint8)
+        return frame
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self.t, self.position = 0, self.np_random.integers(0, self.size - 8, 2)
+        return self._frame(), {"position": self.position.copy()}
+
+    def step(self, action):
+        self.t += 1
+        move = [(0, 1), (0, -1), (1, 0), (-1, 0)][int(action)]
+        self.position = np.clip(self.position + move, 0, self.size - 8)
+        terminated = bool(self.np_random.random() < 0.05)
+        return self._frame(), float(self.position.sum()), terminated, self.t >= self.max_len, {"position": self.position}

@@ -122,6 +122,7 @@ class WorkerPool:
         trusted_classes: classes (or ``"module.Name"``) that replies from workers this pool did not
             start itself may contain, beyond data (see :mod:`clusterenv.wire.safe_pickle`).
         encrypt: CurveZMQ on both sockets, keys derived from the secret (see :mod:`clusterenv.wire.transport`).
+        compression: the codec for large array frames on tcp connections (:mod:`clusterenv.wire.codecs`).
     """
 
     def __init__(
@@ -139,6 +140,7 @@ class WorkerPool:
         describe_work: Callable[[int], str] = lambda worker_id: f"worker {worker_id}",
         trusted_classes: Iterable[type | str] = (),
         encrypt: bool = False,
+        compression: str | None = None,
     ) -> None:
         key = resolve_secret(secret)
         if bind is not None and not is_loopback(bind) and key is None:
@@ -178,7 +180,7 @@ class WorkerPool:
         key = key or secrets.token_hex(32).encode()
         curve = Curve.from_secret(key) if encrypt else None
         self._context = zmq.Context()
-        self._channel = Channel.bind_router(self._context, bind, key, curve=curve)
+        self._channel = Channel.bind_router(self._context, bind, key, curve=curve, compression=compression)
         self.address = self._channel.endpoint
         try:
             self._monitor = HeartbeatMonitor(

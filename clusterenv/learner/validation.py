@@ -25,6 +25,7 @@ __all__ = [
     "check_batch_size",
     "check_choice",
     "check_env_fns",
+    "check_flag",
     "check_indices",
     "check_min_workers",
     "check_num_workers",
@@ -45,6 +46,13 @@ def check_choice(name: str, value: Any, choices: Sequence[Any]) -> Any:
         expected = " or ".join(map(repr, choices)) if len(choices) == 2 else f"one of {list(choices)}"
         raise ValueError(f"`{name}` must be {expected}, got {value!r}.")
     return value
+
+
+def check_flag(name: str, value: Any) -> bool:
+    """``value`` as a ``bool``, if it is one (numpy's included)."""
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(f"`{name}` must be True or False, got {type(value).__name__} ({value!r}).")
+    return bool(value)
 
 
 def check_observation_mode(observation_mode: Any) -> str | tuple[spaces.Space, spaces.Space]:

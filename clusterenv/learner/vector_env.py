@@ -28,6 +28,7 @@ from clusterenv.learner.validation import (
     check_batch_size,
     check_choice,
     check_env_fns,
+    check_flag,
     check_indices,
     check_min_workers,
     check_num_workers,
@@ -39,6 +40,7 @@ from clusterenv.learner.validation import (
     pickle_argument,
     pickle_env_fn,
 )
+from clusterenv.wire.codecs import check_codec
 from clusterenv.wire.contract import by_part, check_spaces, in_index_order, per_env_values, split_evenly, values_by_part
 from clusterenv.wire.leaves import is_array_tree, leaf_specs
 from clusterenv.wire.liveness import Heartbeat
@@ -114,6 +116,8 @@ class ClusterEnv(VectorEnv):
         batch_size: int | None = None,
         trusted_classes: Sequence[type | str] = (),
         encrypt: bool = False,
+        shared_memory: bool = True,
+        compression: str | None = "lz4",
     ) -> None:
         """Start the workers and build the envs in them.
 
@@ -161,6 +165,17 @@ class ClusterEnv(VectorEnv):
             encrypt: encrypt all traffic with CurveZMQ, keys derived from the secret; a peer
                 without the secret then cannot even connect. External workers need
                 ``clusterenv-worker --encrypt``.
+            shared_memory: workers on this host write large array observations (at least 64 KB
+                per worker and step) straight into the learner's batch in shared memory, as
+                ``AsyncVectorEnv(shared_memory=True)`` does; ``False`` sends them as frames always
+                (containers with a small ``/dev/shm``). Workers on other hosts always send frames.
+            compression: ``"lz4"`` (default), ``"zstd"`` or ``None``: how array frames of 4 KB or
+                more travel on tcp connections (workers on other hosts), both ways: observations,
+                rollouts, weights. Lossless: results are bit-identical. A frame that does not
+                shrink travels as it is. On Atari frames lz4 cuts the bytes about 60x and the
+                learner's CPU per frame about in half (hashing fewer bytes), for a few µs of the
+                worker's CPU; zstd cuts the bytes about 150x for a little more of it, for links of
+                1 Gbit/s or less (see docs/guides/multi-node.md). ``ipc://`` (one host) never compresses.
         """
         super().__init__()
         self._state = AsyncState.DEFAULT
@@ -176,6 +191,7 @@ class ClusterEnv(VectorEnv):
         self.autoreset_mode = AutoresetMode(check_choice("autoreset_mode", mode, [m.value for m in AutoresetMode]))
         observation_mode = check_observation_mode(observation_mode)
         self.copy = copy
+        self.shared_memory = check_flag("shared_memory", shared_memory)
         self.timeout = check_seconds("timeout", timeout, allow_none=True)
         start_timeout = check_seconds("start_timeout", start_timeout, allow_none=False)
         self.on_worker_failure = check_choice("on_worker_failure", on_worker_failure, ["raise", "restart", "rehome"])
@@ -207,6 +223,7 @@ class ClusterEnv(VectorEnv):
             describe_work=lambda w: f"envs {self._slices[w].start}..{self._slices[w].stop - 1}",
             trusted_classes=trusted_classes,
             encrypt=encrypt,
+            compression=check_codec(compression),
         )
         # Weak: the pool must not keep the env alive (its finalizer ends the workers).
         self._pool.on_fatal = weak_callback(self._close_after_error)
@@ -300,7 +317,9 @@ class ClusterEnv(VectorEnv):
         self.action_space = batch_space(self.single_action_space, self.num_envs)
         same = observation_mode == "same" or custom
         shared = (
-            share_with_local_workers(self._pool, self.single_observation_space, self._slices, timeout) if same else None
+            share_with_local_workers(self._pool, self.single_observation_space, self._slices, timeout)
+            if same and self.shared_memory
+            else None
         )
         self._buffers = BatchBuffers(
             self.single_observation_space, self.observation_space, self.num_envs, self._pool.loads, observations=shared

@@ -132,10 +132,11 @@ class ProbeMeta(Empty):
 
 
 class WelcomeMeta(Empty):
-    """WELCOME: the learner's answer to a HELLO, echoing its nonce."""
+    """WELCOME: the learner's answer to a HELLO, echoing its nonce; ``compression``: the connection's codec."""
 
     nonce: bytes
     echo: bytes
+    compression: str | None
 
 
 # -- worker → learner --------------------------------------------------------------------------

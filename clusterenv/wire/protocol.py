@@ -6,18 +6,22 @@ A message is a ZeroMQ multipart message::
 
 * ``header`` is a msgpack list: protocol version, kind, a small ``meta`` map, the
   ``[dtype, shape]`` of every array frame, and the number of blobs.
-* Array frames are raw C-contiguous buffers (zero-copy on both ends where it pays).
+* Array frames are raw C-contiguous buffers (zero-copy on both ends where it pays), or,
+  between hosts with compression on, large ones compressed (:mod:`clusterenv.wire.codecs`):
+  their spec then names the codec, ``[dtype, shape, codec]``.
 * Blobs are cloudpickled Python objects (env factories, infos, call results). They are
   unpickled only after the MAC has been checked: pickles are code.
 * ``trailer`` is fixed-size: the sender's message counter, the number of array frames,
   and a MAC over both, the length of every frame, the header, the blobs, and the array
-  frames too when ``cover_arrays`` is set (tcp). The MAC is keyed BLAKE2b-256 (the MAC mode
-  of RFC 7693), about a third of HMAC-SHA256's cost on a small message. On ``ipc://`` the
-  socket file lives in a ``0700`` directory, so the OS already authenticates the peer and
-  hashing every observation frame would only cost time.
+  frames too when ``cover_arrays`` is set (tcp). The MAC is keyed BLAKE3 (the ``blake3``
+  package): as cheap as keyed BLAKE2b on a small message and about 6x faster on an
+  observation frame (6 GB/s against 0.9 GB/s on one core), which is most of what a frame
+  from another host costs the learner. On ``ipc://`` the socket file lives in a ``0700``
+  directory, so the OS already authenticates the peer and hashing every observation frame
+  would only cost time.
 
-The receiver checks the trailer's MAC before anything is parsed (msgpack included), and
-only then the counter: each direction of a connection counts its messages, so a
+The receiver checks the trailer's MAC before anything is parsed (msgpack included) or
+decompressed, and only then the counter: each direction of a connection counts its messages, so a
 replayed or reordered message is dropped. Keys are per connection and per direction,
 derived with HKDF-SHA256 from the shared secret and a nonce from each side, exchanged in
 a three-message join (:data:`Kind.HELLO`, :data:`Kind.WELCOME`, :data:`Kind.JOIN`; see
@@ -30,7 +34,6 @@ Everything here is a pure function of bytes, so the decoder can be fuzzed in iso
 from __future__ import annotations
 
 import functools
-import hashlib
 import hmac
 import math
 import re
@@ -40,13 +43,16 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
+import blake3
 import msgpack
 import numpy as np
 
 from clusterenv.errors import AuthenticationError, ProtocolError
+from clusterenv.wire import codecs
 
 __all__ = [
     "COALESCE_BYTES",
+    "MAX_ARRAY_BYTES",
     "MAX_HEADER_BYTES",
     "MAX_HEADER_INT",
     "NONCE_BYTES",
@@ -76,13 +82,17 @@ __all__ = [
 
 #: Bumped whenever a message's content changes (4: infos travel packed, see ``wire/infos.py``;
 #: 5: any message may name a re-homed worker's ``slot``; 6: keyed BLAKE2b MACs instead of
-#: HMAC-SHA256), so that a learner and a worker of different versions refuse each other with a clear error.
-PROTOCOL_VERSION = 6
+#: HMAC-SHA256; 7: keyed BLAKE3 MACs, compressed array frames, WELCOME names the codec), so that
+#: a learner and a worker of different versions refuse each other with a clear error.
+PROTOCOL_VERSION = 7
 MAX_HEADER_BYTES = 64 * 1024
 #: The largest integer a header can carry (msgpack's uint64); the smallest is -2**63.
 MAX_HEADER_INT = 2**64 - 1
 NONCE_BYTES = 16
-# Message counter, number of array frames, MAC (keyed BLAKE2b, 32 bytes).
+#: The most bytes the arrays of one message may declare (compressed frames are checked against it before
+#: anything is decompressed); transport passes its own, lower limit where it has one.
+MAX_ARRAY_BYTES = 1 << 31
+# Message counter, number of array frames, MAC (keyed BLAKE3, 32 bytes).
 MAC_BYTES = 32
 _TRAILER = struct.Struct(f"<QI{MAC_BYTES}s")
 TRAILER_BYTES = _TRAILER.size
@@ -251,7 +261,7 @@ def _table(n_frames: int) -> struct.Struct:
 def _mac(
     key: bytes, counter: int, n_arrays: int, sizes: Sequence[int], cover_arrays: bool, frames: Sequence[Any]
 ) -> bytes:
-    """Keyed BLAKE2b under ``key`` of the counter, the array count, every frame's length (``sizes``), then the covered frames.
+    """Keyed BLAKE3 under ``key`` of the counter, the array count, every frame's length (``sizes``), then the covered frames.
 
     The lengths come first, so moving bytes across a frame boundary, or an array frame into
     the blobs, changes the MAC. The covered frames are all of ``frames``, or (``cover_arrays``
@@ -263,11 +273,16 @@ def _mac(
     else:
         covered, covered_bytes = [frames[0], *frames[1 + n_arrays :]], sizes[0] + sum(sizes[1 + n_arrays :])
     if covered_bytes <= _ONE_SHOT_MAC_BYTES:  # one hash call over joined bytes: the common case
-        return hashlib.blake2b(b"".join([prefix, *covered]), key=key, digest_size=MAC_BYTES).digest()
-    mac = hashlib.blake2b(prefix, key=key, digest_size=MAC_BYTES)
-    for frame in covered:
-        mac.update(frame)
+        return blake3.blake3(b"".join([prefix, *covered]), key=key).digest()
+    mac = blake3.blake3(prefix, key=key)
+    for frame in covered:  # large updates release the GIL
+        mac.update(_byte_view(frame) if type(frame) is np.ndarray else memoryview(frame))  # zmq.Frames need a view
     return mac.digest()
+
+
+def _byte_view(a: np.ndarray) -> np.ndarray:
+    """A C-contiguous array's bytes as a flat ``uint8`` array: BLAKE3 and the codecs take byte buffers only."""
+    return a.reshape(-1).view(np.uint8)
 
 
 def _sizes(frames: Sequence[Any]) -> list[int]:
@@ -288,11 +303,29 @@ def read_trailer(frame: Any) -> tuple[int, int, bytes]:
     return counter, n_arrays, tag
 
 
-def _header(kind: Kind, meta: Mapping[str, Any] | None, arrays: Sequence[np.ndarray], n_blobs: int) -> bytes:
-    header = msgpack.packb([PROTOCOL_VERSION, int(kind), meta or {}, [(a.dtype.str, a.shape) for a in arrays], n_blobs])
+def _header(kind: Kind, meta: Mapping[str, Any] | None, specs: list[list[Any]], n_blobs: int) -> bytes:
+    header = msgpack.packb([PROTOCOL_VERSION, int(kind), meta or {}, specs, n_blobs])
     if len(header) > MAX_HEADER_BYTES:
         raise ProtocolError(f"Message header is {len(header)} bytes, more than {MAX_HEADER_BYTES}.")
     return header
+
+
+def _array_frames(arrays: Sequence[np.ndarray], compression: str | None) -> tuple[list[Any], list[list[Any]]]:
+    """The frames of ``arrays`` (C-contiguous, or compressed with ``compression`` where that pays) and their specs."""
+    frames: list[Any] = []
+    specs: list[list[Any]] = []
+    for a in arrays:
+        if not a.flags.c_contiguous:
+            a = np.ascontiguousarray(a)
+        if compression is not None and a.nbytes >= codecs.MIN_BYTES:
+            packed = codecs.compress(compression, _byte_view(a))
+            if len(packed) < a.nbytes:
+                frames.append(packed)
+                specs.append([a.dtype.str, a.shape, compression])
+                continue
+        frames.append(a)
+        specs.append([a.dtype.str, a.shape])
+    return frames, specs
 
 
 def _signed(
@@ -303,13 +336,14 @@ def _signed(
     key: bytes,
     counter: int,
     cover_arrays: bool,
+    compression: str | None,
 ) -> tuple[list[Any], list[int], bytes]:
     """A message's frames, their byte lengths and its trailer."""
-    contiguous = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in arrays]
-    frames: list[Any] = [_header(kind, meta, contiguous, len(blobs)), *contiguous, *blobs]
+    array_frames, specs = _array_frames(arrays, compression)
+    frames: list[Any] = [_header(kind, meta, specs, len(blobs)), *array_frames, *blobs]
     sizes = _sizes(frames)
-    tag = _mac(key, counter, len(contiguous), sizes, cover_arrays, frames)
-    return frames, sizes, _TRAILER.pack(counter, len(contiguous), tag)
+    tag = _mac(key, counter, len(array_frames), sizes, cover_arrays, frames)
+    return frames, sizes, _TRAILER.pack(counter, len(array_frames), tag)
 
 
 def encode(
@@ -321,9 +355,13 @@ def encode(
     key: bytes,
     counter: int,
     cover_arrays: bool,
+    compression: str | None = None,
 ) -> list[Any]:
-    """Frames for one message, ending with its trailer (``counter`` and the MAC under ``key``)."""
-    frames, _, end = _signed(kind, meta, arrays, blobs, key, counter, cover_arrays)
+    """Frames for one message, ending with its trailer (``counter`` and the MAC under ``key``).
+
+    ``compression``: a codec of :mod:`clusterenv.wire.codecs` for large array frames, or ``None``.
+    """
+    frames, _, end = _signed(kind, meta, arrays, blobs, key, counter, cover_arrays, compression)
     return [*frames, end]
 
 
@@ -336,9 +374,10 @@ def pack(
     key: bytes,
     counter: int,
     cover_arrays: bool,
+    compression: str | None = None,
 ) -> list[Any]:
     """What is sent: the frames of ``coalesce(encode(...))``, a small message built with one join."""
-    frames, sizes, end = _signed(kind, meta, arrays, blobs, key, counter, cover_arrays)
+    frames, sizes, end = _signed(kind, meta, arrays, blobs, key, counter, cover_arrays, compression)
     if sum(sizes) + TRAILER_BYTES > COALESCE_BYTES:
         return [*frames, end]
     return [b"".join([_table(len(sizes) + 1).pack(len(sizes) + 1, *sizes, TRAILER_BYTES), *frames, end])]
@@ -402,7 +441,7 @@ def _is_count(value: Any) -> bool:
     return type(value) is int and value >= 0
 
 
-def _parse_header(raw: Any) -> tuple[Kind, dict[str, Any], list[tuple[np.dtype, tuple[int, ...]]], int]:
+def _parse_header(raw: Any) -> tuple[Kind, dict[str, Any], list[tuple[np.dtype, tuple[int, ...], str | None]], int]:
     try:
         header = msgpack.unpackb(raw, strict_map_key=True)
     except Exception as exc:
@@ -420,18 +459,27 @@ def _parse_header(raw: Any) -> tuple[Kind, dict[str, Any], list[tuple[np.dtype, 
     if not _is_count(n_blobs):
         raise ProtocolError("Header field `blobs` must be a non-negative integer.")
     if not isinstance(array_specs, list):
-        raise ProtocolError("Header field `arrays` must be a list of [dtype, shape].")
+        raise ProtocolError("Header field `arrays` must be a list of [dtype, shape] or [dtype, shape, codec].")
     specs = []
     for spec in array_specs:  # plain loops and type() checks: this runs for every message
-        if type(spec) is not list or len(spec) != 2 or type(spec[0]) is not str or type(spec[1]) is not list:
-            raise ProtocolError(f"Array spec {spec!r} must be [dtype string, shape list].")
+        if (
+            type(spec) is not list
+            or not 2 <= len(spec) <= 3
+            or type(spec[0]) is not str
+            or type(spec[1]) is not list
+            or (len(spec) == 3 and spec[2] not in codecs.CODECS)
+        ):
+            raise ProtocolError(
+                f"Array spec {spec!r} must be [dtype string, shape list] or [dtype string, shape list, codec] "
+                f"with a codec in {list(codecs.CODECS)}."
+            )
         shape = spec[1]
         if len(shape) > _MAX_NDIM:
             raise ProtocolError(f"Array shape {shape!r} must be at most {_MAX_NDIM} non-negative integers.")
         for dim in shape:
             if type(dim) is not int or dim < 0:
                 raise ProtocolError(f"Array shape {shape!r} must be at most {_MAX_NDIM} non-negative integers.")
-        specs.append((_safe_dtype(spec[0]), tuple(shape)))
+        specs.append((_safe_dtype(spec[0]), tuple(shape), spec[2] if len(spec) == 3 else None))
     return kind, meta, specs, n_blobs
 
 
@@ -450,10 +498,12 @@ def verify(frames: list[Any], *, key: bytes, cover_arrays: bool) -> tuple[int, i
     return counter, n_arrays
 
 
-def parse(frames: list[Any], n_arrays: int) -> Message:
+def parse(frames: list[Any], n_arrays: int, max_array_bytes: int = MAX_ARRAY_BYTES) -> Message:
     """Decode a message whose MAC :func:`verify` accepted; raise :class:`ProtocolError` on anything unexpected.
 
-    Array payloads are returned as read-only views of the received frames.
+    Array payloads are returned as read-only views of the received frames (compressed ones
+    as arrays over their decompressed bytes). The arrays may declare ``max_array_bytes`` in
+    all: more is refused before anything is decompressed.
     """
     if len(frames[0]) > MAX_HEADER_BYTES:  # checked before the header is copied out of its frame
         raise ProtocolError(f"Header of {len(frames[0])} bytes exceeds the {MAX_HEADER_BYTES}-byte limit.")
@@ -463,12 +513,16 @@ def parse(frames: list[Any], n_arrays: int) -> Message:
             f"Message has {len(frames)} frames and {n_arrays} array(s) but its header announces "
             f"{len(specs)} array(s) and {n_blobs} blob(s)."
         )
+    declared = [math.prod(shape) * dtype.itemsize for dtype, shape, _ in specs]
+    if sum(declared) > max_array_bytes:
+        raise ProtocolError(f"The arrays of a message declare {sum(declared)} bytes, more than {max_array_bytes}.")
     arrays = []
-    for (dtype, shape), frame in zip(specs, frames[1 : 1 + n_arrays], strict=True):
+    for (dtype, shape, codec), expected, frame in zip(specs, declared, frames[1 : 1 + n_arrays], strict=True):
         buffer = memoryview(frame)
-        if not buffer.readonly:
+        if codec is not None:
+            buffer = memoryview(codecs.decompress(codec, buffer, expected))  # bytes: read-only
+        elif not buffer.readonly:
             buffer = buffer.toreadonly()  # received zmq.Frames are writable; callers get views only
-        expected = math.prod(shape) * dtype.itemsize
         if buffer.nbytes != expected:
             raise ProtocolError(
                 f"Array frame has {buffer.nbytes} bytes; dtype {dtype} and shape {shape} need {expected}."
@@ -477,8 +531,10 @@ def parse(frames: list[Any], n_arrays: int) -> Message:
     return Message(kind, meta, arrays, [bytes(b) for b in frames[1 + n_arrays : -1]])
 
 
-def decode(frames: list[Any], *, key: bytes, cover_arrays: bool) -> tuple[int, Message]:
+def decode(
+    frames: list[Any], *, key: bytes, cover_arrays: bool, max_array_bytes: int = MAX_ARRAY_BYTES
+) -> tuple[int, Message]:
     """``(counter, message)`` of received ``frames``: :func:`split`, :func:`verify` (before anything is parsed), :func:`parse`."""
     frames = split(frames)
     counter, n_arrays = verify(frames, key=key, cover_arrays=cover_arrays)
-    return counter, parse(frames, n_arrays)
+    return counter, parse(frames, n_arrays, max_array_bytes)

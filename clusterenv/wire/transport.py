@@ -21,6 +21,10 @@ keypair and the workers' shared keypair are derived from the secret (:class:`Cur
 so a peer without the secret fails ZeroMQ's own handshake and none of its messages is
 ever read into the learner's memory; and messages cross the network encrypted. CurveZMQ
 authenticates every message, so the MAC then skips the array frames, as on ``ipc://``.
+
+Compression (``ClusterEnv(compression="lz4")``) is the learner's choice for its tcp
+connections: its WELCOME names the codec, and from then on both ends compress their large
+array frames with it (:mod:`clusterenv.wire.codecs`). On ``ipc://`` nothing is compressed.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import zmq
 from zmq.utils import z85
 
 from clusterenv.errors import ProtocolError
+from clusterenv.wire import codecs
 from clusterenv.wire.cleanup import scratch_dir
 from clusterenv.wire.messages import WelcomeMeta, check_meta
 from clusterenv.wire.protocol import (
@@ -187,9 +192,9 @@ class _DropLog:
             self.suppressed += 1
 
 
-def _decoded(frames: list[Any], n_arrays: int) -> Message:
+def _decoded(frames: list[Any], n_arrays: int, max_array_bytes: int) -> Message:
     """The message in verified ``frames``, its meta checked against its kind's declaration."""
-    msg = parse(frames, n_arrays)
+    msg = parse(frames, n_arrays, max_array_bytes)
     check_meta(msg.kind, msg.meta)
     return msg
 
@@ -203,7 +208,10 @@ class Channel:
         sessions: per peer (``None`` on a DEALER), the keys and counters of its connection.
         accept_joins: whether peers may join here; the heartbeat socket gets its sessions
             from the command socket's joins instead.
-        max_message_bytes: the most a joined peer may send in one message.
+        max_message_bytes: the most a joined peer may send in one message (and the most
+            its arrays may decompress to).
+        compression: the codec of large array frames sent on this connection (``None``: none).
+            The learner's is its own choice (tcp only), a worker's the one the learner's WELCOME named.
     """
 
     socket: zmq.Socket
@@ -212,6 +220,7 @@ class Channel:
     accept_joins: bool = True
     sessions: dict[bytes | None, Session] = field(default_factory=dict)
     max_message_bytes: int = MAX_MESSAGE_BYTES
+    compression: str | None = None
     _remove_tmpdir: weakref.finalize | None = field(default=None, repr=False)
     # The receive timeout currently set on the socket (ms, -1 = forever), to set it only when it changes.
     _rcvtimeo: int | None = field(default=None, repr=False)
@@ -239,12 +248,14 @@ class Channel:
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         curve: Curve | None = None,
         options: Mapping[int, int] | None = None,
+        compression: str | None = None,
     ) -> Channel:
         """Bind the learner's ROUTER; ``address=None`` means a fresh private ``ipc://`` path.
 
         ``max_message_bytes`` is also ZeroMQ's ``MAXMSGSIZE``, which applies to connections
         as it was at bind time: set it here, not later. ``curve``: encrypt (CurveZMQ server).
         ``options`` are further socket options, set before binding: connections take them from the listener.
+        ``compression``: the codec for large array frames both ways, on tcp (ignored on ``ipc://``).
         """
         tmpdir = None
         if address is None:
@@ -272,6 +283,7 @@ class Channel:
             accept_joins=accept_joins,
             sessions={} if sessions is None else sessions,
             max_message_bytes=max_message_bytes,
+            compression=None if address.startswith("ipc://") else codecs.check_codec(compression),
         )
         if tmpdir:
             # Also at interpreter exit, for a channel never closed; a killed learner's is removed by the next one.
@@ -376,7 +388,14 @@ class Channel:
     ) -> list[Any]:
         session.sent += 1
         return pack(
-            kind, meta, arrays, blobs, key=session.send_key, counter=session.sent, cover_arrays=self.cover_arrays
+            kind,
+            meta,
+            arrays,
+            blobs,
+            key=session.send_key,
+            counter=session.sent,
+            cover_arrays=self.cover_arrays,
+            compression=self.compression,
         )
 
     def _send(
@@ -450,7 +469,7 @@ class Channel:
                             "a replayed or reordered message."
                         )
                     session.received = counter
-                    return sender, _decoded(frames, n_arrays)
+                    return sender, _decoded(frames, n_arrays, self.max_message_bytes)
             except ProtocolError as exc:
                 self._drop_log(sender, exc)
             if deadline is not None and time.monotonic() >= deadline:
@@ -465,7 +484,7 @@ class Channel:
             except ProtocolError:
                 pass  # not the JOIN: maybe a new HELLO, checked below
             else:
-                if _decoded(frames, n_arrays).kind is not Kind.JOIN:
+                if _decoded(frames, n_arrays, PRE_JOIN_BYTES).kind is not Kind.JOIN:
                     raise ProtocolError("Expected JOIN from a peer joining.")
                 del self._pending[sender]
                 session.received = counter
@@ -474,7 +493,7 @@ class Channel:
         if not self.accept_joins and self._hello_nonce is None:
             raise ProtocolError("The peer has not joined.")
         _, n_arrays = verify(frames, key=self._hello_session().recv_key, cover_arrays=self.cover_arrays)
-        msg = _decoded(frames, n_arrays)
+        msg = _decoded(frames, n_arrays, PRE_JOIN_BYTES)
         if sender is None:  # a worker: the learner's WELCOME
             nonce = msg.meta.get("nonce")
             if msg.kind is not Kind.WELCOME or msg.meta.get("echo") != self._hello_nonce or self._hello_nonce is None:
@@ -483,10 +502,14 @@ class Channel:
                 )
             if type(nonce) is not bytes or len(nonce) != NONCE_BYTES:
                 raise ProtocolError("WELCOME carries no valid nonce.")
+            try:
+                compression = codecs.check_codec(msg.meta["compression"])
+            except ValueError as exc:
+                raise ProtocolError(f"WELCOME names an unknown codec: {exc}") from None
             identity = self.socket.getsockopt(zmq.IDENTITY)
             assert isinstance(identity, bytes)
             _, session = session_pair(self.key, self._hello_nonce, nonce, identity)
-            self.sessions[None], self._hello_nonce = session, None
+            self.sessions[None], self._hello_nonce, self.compression = session, None, compression
             self._send(session, Kind.JOIN, {}, (), (), None)
             return None
         nonce = msg.meta.get("nonce")
@@ -503,7 +526,7 @@ class Channel:
         hello = Message(msg.kind, {key: value for key, value in msg.meta.items() if key != "nonce"})
         self._pending[sender] = (session, hello)
         try:
-            welcome = WelcomeMeta(nonce=learner_nonce, echo=nonce)
+            welcome = WelcomeMeta(nonce=learner_nonce, echo=nonce, compression=self.compression)
             self._send(self._hello_session(), Kind.WELCOME, welcome, (), (), sender)
         except zmq.ZMQError:
             del self._pending[sender]  # gone already
