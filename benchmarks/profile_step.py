@@ -38,7 +38,10 @@ from clusterenv import ClusterEnv  # noqa: E402
 PARTS: list[tuple[str, tuple[str, ...]]] = [
     ("waiting for replies (blocking, not CPU)", ("transport.py:_recv_frames",)),
     ("ZeroMQ send", ("socket.py:send",)),
-    ("framing, MACs, msgpack", ("protocol.py:", "hmac.py:", "msgpack", "_hashlib", "blake3", "messages.py:", "codecs.py:")),
+    (
+        "framing, MACs, msgpack",
+        ("protocol.py:", "hmac.py:", "msgpack", "_hashlib", "blake3", "messages.py:", "codecs.py:"),
+    ),
     ("infos (unpickle, merge)", ("infos.py:", "leaves.py:replay", "_pickle.loads", "vector_env.py:_add_info")),
     ("copy=True observation copy", ("method 'copy' of 'numpy.ndarray'", "step_buffers.py:observation_batch")),
     ("action checks", ("validation.py:",)),

@@ -469,4 +469,10 @@ class SpriteEnv(gym.Env):
         move = [(0, 1), (0, -1), (1, 0), (-1, 0)][int(action)]
         self.position = np.clip(self.position + move, 0, self.size - 8)
         terminated = bool(self.np_random.random() < 0.05)
-        return self._frame(), float(self.position.sum()), terminated, self.t >= self.max_len, {"position": self.position}
+        return (
+            self._frame(),
+            float(self.position.sum()),
+            terminated,
+            self.t >= self.max_len,
+            {"position": self.position},
+        )

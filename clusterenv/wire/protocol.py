@@ -280,9 +280,9 @@ def _mac(
     return mac.digest()
 
 
-def _byte_view(a: np.ndarray) -> np.ndarray:
-    """A C-contiguous array's bytes as a flat ``uint8`` array: BLAKE3 and the codecs take byte buffers only."""
-    return a.reshape(-1).view(np.uint8)
+def _byte_view(a: np.ndarray) -> memoryview:
+    """A C-contiguous array's bytes, flat: BLAKE3 and the codecs take byte buffers only (and ``cast`` refuses empty shapes)."""
+    return a.reshape(-1).view(np.uint8).data
 
 
 def _sizes(frames: Sequence[Any]) -> list[int]:
