@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from clusterenv import AuthenticationError, ClusterEnv, ProtocolError, WorkerStartError
 from clusterenv.learner.heartbeat_monitor import HeartbeatMonitor
-from clusterenv.wire import protocol, transport
+from clusterenv.wire import codecs, protocol, transport
 from clusterenv.wire.liveness import HEARTBEAT_MAX_BYTES, Heartbeat
 from clusterenv.wire.protocol import (
     COALESCE_BYTES,
@@ -196,8 +196,11 @@ def signed(frames: list[bytes], n_arrays: int, counter: int = 1) -> list[bytes]:
 def authenticated_messages(draw) -> list[bytes]:
     """Messages a key holder could send: mostly well-formed, with one part off in some way."""
     specs = draw(st.lists(st.tuples(dtype_names, st.lists(st.integers(0, 4), max_size=3)), max_size=3))
+    # Some frames claim a codec (a real one, an unknown one, or not a string), with bytes that may decompress.
+    claimed = [draw(st.sampled_from([None] * 4 + ["lz4", "zstd", "gzip", 7])) for _ in specs]
     n_blobs = draw(st.integers(0, 2))
-    fields = [PROTOCOL_VERSION, int(draw(st.sampled_from(list(Kind)))), {"seq": 1}, [list(s) for s in specs], n_blobs]
+    listed = [[*s] if c is None else [*s, c] for s, c in zip(specs, claimed, strict=True)]
+    fields = [PROTOCOL_VERSION, int(draw(st.sampled_from(list(Kind)))), {"seq": 1}, listed, n_blobs]
     if draw(st.booleans()):
         fields[draw(st.integers(0, 4))] = draw(msgpack_values | st.integers(-(2**63), -1))
     form = draw(st.sampled_from(["list"] * 8 + ["short", "any"]))
@@ -206,6 +209,11 @@ def authenticated_messages(draw) -> list[bytes]:
         b"\x01" * (int(np.prod(shape)) * itemsize(name) + draw(st.sampled_from([0, 0, 0, 1, -1])))
         for name, shape in specs
     ]
+    for i, codec in enumerate(claimed):
+        if codec in codecs.CODECS and draw(st.booleans()):
+            arrays[i] = codecs.compress(codec, arrays[i])
+        elif codec is not None:
+            arrays[i] = draw(st.binary(max_size=48))
     frames = [msgpack.packb(header), *(a for a in arrays), *(b"blob" for _ in range(n_blobs))]
     if draw(st.integers(0, 4)) == 0:
         frames = frames[:-1] if len(frames) > 1 and draw(st.booleans()) else [*frames, b"extra"]
