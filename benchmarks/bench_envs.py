@@ -19,7 +19,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-__all__ = ["BurnEnv", "FrameReplayEnv", "SleepEnv", "make_atari", "record_breakout"]
+__all__ = ["BurnEnv", "FrameReplayEnv", "NullEnv", "SleepEnv", "make_atari", "record_breakout"]
 
 
 class BurnEnv(gym.Env):
@@ -124,3 +124,19 @@ def record_breakout(path: str, steps: int = 512, seed: int = 0) -> None:
             obs, _ = env.reset()
     env.close()
     np.save(path, np.stack(frames))
+
+
+class NullEnv(gym.Env):
+    """Does nothing: the same 4-float observation every step, so a batch step is all transport and bookkeeping."""
+
+    metadata: dict[str, Any] = {"render_modes": []}
+    observation_space = gym.spaces.Box(-1.0, 1.0, shape=(4,), dtype=np.float32)
+    action_space = gym.spaces.Discrete(2)
+    _obs = np.zeros(4, dtype=np.float32)
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict]:
+        super().reset(seed=seed)
+        return self._obs, {}
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict]:
+        return self._obs, 0.0, False, False, {}

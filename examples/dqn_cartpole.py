@@ -30,8 +30,9 @@ class Args:
     """torch CPU threads; one is fastest for this small network and leaves the other cores to the envs"""
     cuda: bool = True
     """if toggled, the learner (network, optimizer, batches) runs on CUDA when torch can use it; else on the CPU"""
-    backend: Literal["clusterenv", "gym"] = "clusterenv"
-    """`clusterenv.ClusterEnv` (envs in worker processes) or `gym.vector.SyncVectorEnv` (the Gymnasium original)"""
+    backend: Literal["clusterenv", "gym", "async"] = "clusterenv"
+    """`clusterenv.ClusterEnv` (envs in worker processes), `gym` for `gym.vector.SyncVectorEnv` (the Gymnasium
+    original), or `async` for `gym.vector.AsyncVectorEnv` (Gymnasium's one process per env)"""
     local_policy: bool = False
     """act with a copy of the Q-network in each worker, streaming per-worker fragments (clusterenv.PolicyRunner)"""
     prefetch: int = 1
@@ -191,7 +192,9 @@ if __name__ == "__main__":
     # stored transition is real and truncated episodes bootstrap from their last observation. The
     # default NEXT_STEP would instead spend the next step on the reset (reward 0, action ignored),
     # a transition that would have to be kept out of the replay buffer.
-    VectorEnv = clusterenv.ClusterEnv if args.backend == "clusterenv" else gym.vector.SyncVectorEnv
+    VectorEnv = {"clusterenv": clusterenv.ClusterEnv, "gym": gym.vector.SyncVectorEnv, "async": gym.vector.AsyncVectorEnv}[
+        args.backend
+    ]
     envs = VectorEnv(
         [make_env(args.env_id, args.seed + i, i, run_name) for i in range(args.num_envs)],
         autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,

@@ -36,8 +36,9 @@ class Args:
     """torch CPU threads (results are reproducible for a fixed number); more speed up the CNN"""
     cuda: bool = True
     """if toggled, the learner (network, optimizer, batches) runs on CUDA when torch can use it; else on the CPU"""
-    backend: Literal["clusterenv", "gym"] = "clusterenv"
-    """`clusterenv.ClusterEnv` (envs in worker processes) or `gym.vector.SyncVectorEnv` (the Gymnasium original)"""
+    backend: Literal["clusterenv", "gym", "async"] = "clusterenv"
+    """`clusterenv.ClusterEnv` (envs in worker processes), `gym` for `gym.vector.SyncVectorEnv` (the Gymnasium
+    original), or `async` for `gym.vector.AsyncVectorEnv` (Gymnasium's one process per env)"""
     local_policy: bool = False
     """act with a copy of the CNN actor in each worker (clusterenv.PolicyRunner) instead of on the learner"""
     aps_threshold: float = 0.01
@@ -263,6 +264,8 @@ if __name__ == "__main__":
     env_fns = [make_env(args.env_id, i, run_name, args.max_episode_frames) for i in range(args.num_envs)]
     if args.backend == "clusterenv":
         envs: gym.vector.VectorEnv = clusterenv.ClusterEnv(env_fns, num_workers=args.num_workers)
+    elif args.backend == "async":
+        envs = gym.vector.AsyncVectorEnv(env_fns)  # Gymnasium's one process per env
     else:
         envs = gym.vector.SyncVectorEnv(env_fns)
 

@@ -160,6 +160,13 @@ def test_gymnasium_version_of_the_script_gives_the_same_episodes(tiny_run, name)
     assert ours.returns() == gymnasium.returns()
 
 
+@pytest.mark.parametrize("name", ["ppo_cartpole", "dqn_cartpole"])
+def test_asyncvectorenv_version_of_the_script_gives_the_same_episodes(tiny_run, name):
+    ours, gymnasium_async = tiny_run(name, "clusterenv"), tiny_run(name, "async")
+    assert gymnasium_async.result.returncode == 0, gymnasium_async.result.stderr[-3000:]
+    assert ours.returns() == gymnasium_async.returns()
+
+
 def test_local_policy_progress_bar_reports_weight_pulls(tiny_run):
     run = tiny_run("ppo_cartpole --local-policy")
     assert run.result.returncode == 0, run.result.stderr[-3000:]

@@ -6,104 +6,53 @@ the per-call sequence number (a reply counts only if it answers the current call
 the translation of remote errors, timeouts and lost workers into exceptions.
 :class:`~clusterenv.learner.vector_env.ClusterEnv` builds the commands and reads the replies.
 
-Restarts (``on_worker_failure="restart"``) have one path, :meth:`WorkerPool._recover`.
-When a worker is lost (its process exited, or its heartbeat connection dropped), a
-:meth:`~WorkerPool.gather` first collects every other worker's reply, so no other env's
-data is lost or duplicated (:meth:`~WorkerPool.receive`, for streaming calls, recovers at
-once). Then, for each lost worker, the pool ends the old process if it can, starts a
-replacement through the launcher, waits for it to join, replays its INIT (the same env
-factories, flagged ``replacement``), runs the restart hooks (a policy runner re-installs
-its policy there), and does what the issuer of the lost worker's pending command declared
-when it sent it (:class:`OnLoss`): replay it, report it interrupted, leave its re-issue to
-the hooks, or raise ``WorkerLostError``. A replacement that fails in turn raises:
-restarts do not loop.
-
-Re-homing (``on_worker_failure="rehome"``) takes the same path with no new process: each
-lost worker's envs are rebuilt, from the same INIT, in the surviving process that carries
-the fewest envs. A *worker* (ids ``0 .. num_workers - 1``, one slice of envs each) is then
-served by a *process* other than its own: the pool maps each worker to the process that
-serves it (:attr:`WorkerPool.serving`), and messages for a moved worker name it (meta
-``slot``) so that its host hands them to the right envs. Liveness is the process's.
+It is built from three parts, one module each: messaging and lifecycle (here), membership
+(:mod:`~clusterenv.learner.membership`: joining, which process serves which worker,
+rebalancing) and recovery (:mod:`~clusterenv.learner.recovery`: lost workers, restarts,
+re-homing, remote errors), which share the state declared in :mod:`~clusterenv.learner.pool_state`.
 """
 
 from __future__ import annotations
 
 import collections
-import enum
-import itertools
 import logging
 import secrets
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import zmq
 
-from clusterenv.errors import (
-    RemoteEnvError,
-    WorkerLostError,
-    WorkerStartError,
-    WorkerTimeoutError,
-    builtin_exception_type,
-    remote_error_type,
-)
+from clusterenv.errors import WorkerTimeoutError
 from clusterenv.launch.launchers import Launcher, LocalLauncher, resolve_launcher
 from clusterenv.learner.heartbeat_monitor import HeartbeatMonitor
+from clusterenv.learner.membership import Membership
+from clusterenv.learner.pool_state import LIVENESS_POLL_S, Command, OnLoss, SentCommand
+from clusterenv.learner.recovery import Recovery
 from clusterenv.wire.cleanup import remove_stale_dirs
 from clusterenv.wire.liveness import Heartbeat, heartbeat_address
-from clusterenv.wire.messages import EnvsMeta, ErrorMeta, HelloMeta, InitMeta, meta_of
+from clusterenv.wire.messages import EnvsMeta
 from clusterenv.wire.protocol import Kind, Message
 from clusterenv.wire.safe_pickle import loader
 from clusterenv.wire.transport import Channel, Curve, is_loopback, resolve_secret
 
-__all__ = ["Command", "OnLoss", "WorkerPool", "weak_callback"]
+__all__ = ["LATENCY_WINDOW", "LIVENESS_POLL_S", "Command", "OnLoss", "WorkerPool", "weak_callback"]
 
 logger = logging.getLogger(__name__)
 
-# While waiting for replies, wake this often to notice a worker process that died.
-LIVENESS_POLL_S = 0.05
 # HELLOs kept while busy, for external replacement workers; the peers are authenticated, the bound is a safeguard.
 _MAX_EARLY_HELLOS = 64
 # Messages dropped (strays, replies to earlier calls) in one receive step before the caller checks its deadline.
 _MAX_DROPS_PER_WAIT = 64
-# How long a worker whose connection dropped may take to report its exit status (it lingers up to 0.5 s).
-_EXIT_STATUS_WAIT_S = 1.0
 # Lets a CLOSE queued for a connected worker leave before the socket goes; peers that are gone hold nothing up.
 _CLOSE_LINGER_MS = 500
 #: How many of each worker's recent replies ``worker_info``'s latency percentiles cover.
 LATENCY_WINDOW = 256
-#: One worker's command: ``(meta, arrays, blobs)``.
-Command = tuple[Mapping[str, Any] | None, Sequence[np.ndarray], Sequence[bytes]]
 
 
-class OnLoss(enum.Enum):
-    """What a command still unanswered by a lost worker means for its replacement; declared by its sender."""
-
-    #: Send it again: on the fresh envs it does what was asked (a seeded reset returns the
-    #: same observations, an attribute read the same value, a lockstep rollout a fresh one).
-    REPLAY = "replay"
-    #: The envs' episodes were cut: the worker joins :meth:`WorkerPool.take_interrupted`, and
-    #: the sender reports the cut (a lockstep step: truncated, flagged ``worker_restarted``).
-    INTERRUPT = "interrupt"
-    #: The sender's restart hook re-issues what it needs (first-ready steps, prefetched rollouts).
-    REISSUE = "reissue"
-    #: Nothing can stand in for it (building the envs, installing a policy): ``WorkerLostError``.
-    RAISE = "raise"
-
-
-class _Sent(NamedTuple):
-    """A worker's latest command, kept to replay it to a replacement (a tuple: one is made per worker and step)."""
-
-    kind: Kind
-    meta: Mapping[str, Any] | None
-    arrays: Sequence[np.ndarray]
-    blobs: Sequence[bytes]
-    on_loss: OnLoss
-
-
-class WorkerPool:
+class WorkerPool(Membership, Recovery):
     """The learner's workers: start and join, send and gather, liveness, errors, close, restart.
 
     Args:
@@ -203,7 +152,7 @@ class WorkerPool:
         self._watched: set[int] = set()  # processes whose heartbeats the monitor watches (from their first INIT)
         self._info: dict[int, Mapping[str, Any]] = {}  # each process's HELLO
         self._init_commands: dict[int, tuple[EnvsMeta, list[bytes]]] = {}
-        self._last_sent: dict[int, _Sent] = {}
+        self._last_sent: dict[int, SentCommand] = {}
         self._sent_at: dict[int, float] = {}  # when each worker was last sent a command
         # Seconds from that command to the reply, per worker.
         self._latencies: collections.defaultdict[int, collections.deque[float]] = collections.defaultdict(
@@ -229,254 +178,6 @@ class WorkerPool:
     def key(self) -> bytes:
         """The shared secret the channel authenticates with."""
         return self._channel.key
-
-    # -- joining ---------------------------------------------------------------------------
-    def start(self) -> None:
-        """Start every worker through the launcher and wait for each to join.
-
-        Under ``"rehome"`` the run may start with fewer processes: if at least
-        ``min_workers`` joined within ``start_timeout``, the missing workers' envs go to
-        them (least loaded first), and processes that connect later join through
-        :meth:`rebalance`.
-        """
-        ids = list(range(self.num_workers))
-        self.launcher.start(ids, self.address, self.key)
-        elastic = self.on_worker_failure == "rehome"
-        missing = self._join(ids, self.start_timeout, at_least=self.min_workers if elastic else None)
-        for w in missing:
-            target = self._least_loaded(list(self._peers.values()))
-            self.serving[w], self._identities[w] = target, self._identities[target]
-
-    def _join(self, worker_ids: list[int], timeout: float, at_least: int | None = None) -> list[int]:
-        """Wait for a HELLO for each id; a worker asking for no id (``clusterenv-worker`` by hand) gets a free one.
-
-        Unauthenticated peers never get here (the channel drops them); authenticated ones
-        asking for an id that is taken or not expected are told to CLOSE. With ``at_least``,
-        a timeout with that many joined returns the ids still missing instead of raising.
-        """
-        wanted = set(worker_ids)
-        deadline = time.monotonic() + timeout
-        while wanted:
-            for w in sorted(wanted):
-                code = self.launcher.exit_code(w)
-                if code is not None:
-                    raise WorkerStartError(
-                        f"{self.launcher.describe(w)} exited with code {code} before joining {self.address}."
-                    )
-            if time.monotonic() > deadline:
-                if at_least is not None and len(worker_ids) - len(wanted) >= at_least:
-                    logger.warning(
-                        "Starting with %d of %d worker processes; the envs of workers %s go to them until more join.",
-                        len(worker_ids) - len(wanted),
-                        len(worker_ids),
-                        sorted(wanted),
-                    )
-                    return sorted(wanted)
-                hint = getattr(self.launcher, "join_hint", None)
-                raise WorkerStartError(
-                    f"{len(worker_ids) - len(wanted)} of {len(worker_ids)} workers joined {self.address} within "
-                    f"start_timeout={timeout} s; worker ids {sorted(wanted)} are missing."
-                    + (f" {hint(self.address)}" if hint is not None else "")
-                )
-            received = self._early_hellos.pop(0) if self._early_hellos else None
-            received = received or self._channel.recv(LIVENESS_POLL_S, routed=True)
-            if received is None:
-                continue
-            sender, msg = received
-            if sender in self._peers and msg.meta.get("seq") == self.seq and msg.kind is not Kind.HELLO:
-                worker = self._worker_of(sender, msg)
-                if worker is not None:  # a streaming call goes on while one worker is replaced
-                    self._stash.append((worker, msg))
-                continue
-            if msg.kind is not Kind.HELLO or sender is None or sender in self._peers:
-                logger.warning("Ignored %s from peer %r while waiting for workers to join.", msg.kind.name, sender)
-                continue
-            hello = meta_of(msg, HelloMeta)
-            asked = hello["worker_id"]
-            if asked in wanted or asked is None:
-                worker_id = min(wanted) if asked is None else int(asked)
-            else:
-                logger.warning(
-                    "Turned away a worker on %s (pid %s) asking for id %r: expected ids %s.",
-                    hello["host"],
-                    hello["pid"],
-                    asked,
-                    sorted(wanted),
-                )
-                try:
-                    self._channel.send(Kind.CLOSE, {"seq": self.seq}, to=sender)
-                except zmq.ZMQError:
-                    pass
-                continue
-            wanted.discard(worker_id)
-            self._identities[worker_id], self._peers[sender] = sender, worker_id
-            self.serving[worker_id] = worker_id
-            self._info[worker_id] = msg.meta
-        return []
-
-    # -- joining mid-run (rehome) -------------------------------------------------------------
-    def rebalance(self, wait: float) -> list[int]:
-        """Admit the worker processes that connected since, then move workers' envs to even the load; the moved workers.
-
-        A process that joins asking for the id of a worker whose envs another process
-        carries gets them back first. Then, while moving one worker from the most loaded
-        process to the least loaded one lowers the larger of the two loads, it is moved
-        (a process's own worker stays). A moved worker's envs are closed where they were
-        and rebuilt, from the same INIT, in their new process, whose restart hooks run.
-
-        Args:
-            wait: if no process has connected yet, wait up to this many seconds for one.
-        """
-        self._admit(wait)
-        live = self._live_processes()
-        moves = [(p, p) for p in sorted(live) if p in self.serving and self.serving[p] != p]  # coming home
-        moved = []
-        for worker_id, target in moves:
-            self._move(worker_id, target)
-            moved.append(worker_id)
-        while True:
-            load = self._loads(live)
-            heaviest = max(live, key=lambda p: (load[p], -p))
-            lightest = self._least_loaded(live)
-            guests = [w for w, p in self.serving.items() if p == heaviest and w != heaviest]
-            if not guests:
-                break
-            worker_id = min(guests, key=lambda w: (self._env_counts[w], w))
-            if load[lightest] + self._env_counts[worker_id] >= load[heaviest]:
-                break  # moving it would not lower the larger load
-            self._move(worker_id, lightest)
-            moved.append(worker_id)
-        return moved
-
-    def _admit(self, wait: float) -> None:
-        """Take the HELLOs of processes that connected (kept while busy, or arriving within ``wait`` s if none has)."""
-        deadline = time.monotonic() + wait
-        admitted = 0
-        while True:
-            received: tuple[bytes | None, Message] | None
-            if self._early_hellos:
-                received = self._early_hellos.pop(0)
-            else:
-                # Once one joined, only what else is already there (or completing its handshake).
-                remaining = LIVENESS_POLL_S if admitted else max(0.0, deadline - time.monotonic())
-                received = self._channel.recv(min(remaining, LIVENESS_POLL_S), routed=True)
-                if received is None:
-                    if admitted or time.monotonic() >= deadline:
-                        return
-                    continue
-            sender, msg = received
-            if msg.kind is not Kind.HELLO or sender is None or sender in self._peers:
-                continue  # a late reply to an earlier call, or a stray
-            hello = meta_of(msg, HelloMeta)
-            live = set(self._peers.values())
-            asked = hello["worker_id"]
-            if asked is not None and (asked in live or asked < 0):
-                logger.warning(
-                    "Turned away a worker on %s (pid %s) asking for id %r: a live worker has it.",
-                    hello["host"],
-                    hello["pid"],
-                    asked,
-                )
-                try:
-                    self._channel.send(Kind.CLOSE, {"seq": self.seq}, to=sender)
-                except zmq.ZMQError:
-                    pass
-                continue
-            # Without an id, a new one past the workers': never one that a worker's own host may ask for later.
-            # Also instead of a lost process's id while some of its workers have not been moved yet.
-            fresh = next(i for i in itertools.count(self.num_workers) if i not in self._info)
-            unmoved = asked is not None and asked in self._retired and asked in self.serving.values()
-            process = int(asked) if asked is not None and not unmoved else fresh
-            self._peers[sender] = process
-            self._info[process] = msg.meta
-            self._retired.pop(process, None)  # a lost worker's id, asked for again (say, by SLURM_PROCID)
-            self._watched.discard(process)
-            admitted += 1
-            logger.info("Worker process %d (%s, pid %s) joined.", process, hello["host"], hello["pid"])
-
-    def _move(self, worker_id: int, target: int) -> None:
-        """Close worker ``worker_id``'s envs where they are and rebuild them, from its INIT, in process ``target``."""
-        logger.info(
-            "Moving worker %d's envs (%s) to worker process %d.", worker_id, self.describe_work(worker_id), target
-        )
-        # A CLOSE naming a worker the process serves for another: it closes those envs and stays.
-        self.send(worker_id, Kind.CLOSE)
-        self._rebuild_in(worker_id, target)
-        for hook in self._restart_hooks:
-            hook(worker_id)
-
-    def _rebuild_in(self, worker_id: int, target: int) -> None:
-        """Worker ``worker_id``'s envs built anew, from its INIT, in process ``target``, which serves it from now on."""
-        self.serving[worker_id] = target
-        self._identities[worker_id] = next(i for i, p in self._peers.items() if p == target)
-        self._failed.discard(worker_id)
-        self._send_init(worker_id, replacement=True)
-        self.gather([worker_id], f"rebuilding the envs of worker {worker_id} in worker {target}", self.start_timeout)
-
-    def _live_processes(self) -> list[int]:
-        """The worker processes that have joined and are not lost."""
-        processes = set(self._peers.values())
-        return sorted(processes - self._gone(processes))
-
-    def _loads(self, processes: Iterable[int]) -> collections.Counter[int]:
-        """How many envs each of ``processes`` steps."""
-        load = collections.Counter(dict.fromkeys(processes, 0))
-        for w, p in self.serving.items():
-            if p in load:
-                load[p] += self._env_counts[w]
-        return load
-
-    def _least_loaded(self, processes: list[int]) -> int:
-        """The process among ``processes`` that steps the fewest envs (the lowest id among equals)."""
-        load = self._loads(processes)
-        return min(processes, key=lambda p: (load[p], p))
-
-    def send_init(self, worker_id: int, meta: EnvsMeta, blobs: list[bytes]) -> None:
-        """Send a worker its INIT (kept, to build a replacement the same way) and start watching its heartbeats."""
-        self._init_commands[worker_id] = (meta, blobs)
-        self._send_init(worker_id, replacement=False)
-
-    def _send_init(self, worker_id: int, *, replacement: bool) -> None:
-        meta, blobs = self._init_commands[worker_id]
-        identity = self._identities[worker_id]
-        process = self.serving[worker_id]
-        if process not in self._watched:
-            # The process starts beating on its first INIT, with the heartbeat keys agreed when it joined.
-            self._monitor.watch(process, identity, self._channel.heartbeat_session(identity))
-            self._watched.add(process)
-        init = InitMeta(
-            **meta,
-            worker_id=worker_id,
-            heartbeat=self.heartbeat.to_meta(),
-            heartbeat_endpoint=self._monitor.endpoint,
-            replacement=replacement,
-        )
-        self.send(worker_id, Kind.INIT, init, blobs=blobs, on_loss=OnLoss.RAISE)
-
-    def host(self, worker_id: int) -> str | None:
-        """The host name of the process serving worker ``worker_id``, as it reported when it joined."""
-        return self._info[self.serving[worker_id]].get("host")
-
-    @property
-    def worker_info(self) -> list[dict[str, Any]]:
-        """What :attr:`ClusterEnv.worker_info <clusterenv.ClusterEnv.worker_info>` shows, per worker process."""
-        described = []
-        for process, info in sorted(self._info.items()):
-            serves = [] if process in self._retired else [w for w, p in self.serving.items() if p == process]
-            latencies = [t for w in serves for t in self._latencies.get(w, ())]
-            described.append(
-                {
-                    "worker_id": process,
-                    "host": info.get("host"),
-                    "pid": info.get("pid"),
-                    "state": "lost" if process in self._retired else "active" if serves else "idle",
-                    "serves": sorted(serves),
-                    "lost_because": self._retired.get(process),
-                    "silent_s": None if process in self._retired else self._monitor.silence(process),
-                    "latency_ms": _percentiles(latencies),
-                }
-            )
-        return described
 
     # -- commands --------------------------------------------------------------------------
     def new_call(self) -> int:
@@ -522,7 +223,7 @@ class WorkerPool:
         sent_at = time.monotonic()
         for (worker_id, frames), (meta, arrays, blobs) in zip(encoded, commands.values(), strict=True):
             if on_loss is not None:  # a command, not a message that serves one (weights, probe outputs)
-                self._last_sent[worker_id] = _Sent(kind, meta, arrays, blobs, on_loss)
+                self._last_sent[worker_id] = SentCommand(kind, meta, arrays, blobs, on_loss)
                 self._sent_at[worker_id] = sent_at
                 self._awaiting.add(worker_id)
             if frames is None:
@@ -674,175 +375,6 @@ class WorkerPool:
             return worker_id, msg
         return None
 
-    # -- restarts --------------------------------------------------------------------------
-    def on_restart(self, hook: Callable[[int], None]) -> None:
-        """Call ``hook(worker_id)`` once each replacement is built, before its pending command is recovered."""
-        self._restart_hooks.append(hook)
-
-    def take_interrupted(self) -> list[int]:
-        """The workers whose :attr:`OnLoss.INTERRUPT` command a restart cut, since the last call (the sender reports them)."""
-        interrupted, self._interrupted = sorted(self._interrupted), set()
-        return interrupted
-
-    # -- failures --------------------------------------------------------------------------
-    def _how_lost(self, process: int) -> str:
-        """Why a worker process is gone: its exit status, else what its heartbeat connection showed."""
-        if process in self._retired:
-            return self._retired[process]
-        code = self.launcher.exit_code(process)
-        # A worker that exits closes its connections first: give its exit status, the better cause, a moment.
-        deadline = time.monotonic() + _EXIT_STATUS_WAIT_S
-        while code is None and self._monitor.reason(process) is not None and time.monotonic() < deadline:
-            time.sleep(0.02)
-            code = self.launcher.exit_code(process)
-        if code is not None:
-            return f"exited with code {code}"
-        return self._monitor.reason(process) or "is unreachable"
-
-    def _lost(self, worker_id: int, doing: str, why: str = "") -> WorkerLostError:
-        process = self.serving.get(worker_id, worker_id)
-        where = self.launcher.describe(process)
-        if process != worker_id:
-            where += f" (serving worker {worker_id})"
-        error = WorkerLostError(
-            f"{where}, running {self.describe_work(worker_id)}, {self._how_lost(process)} while {doing}.{why}"
-        )
-        self.on_fatal(True)
-        return error
-
-    def _gone(self, processes: Iterable[int]) -> set[int]:
-        """The processes among ``processes`` that are lost: retired, exited, or silent past the heartbeat window."""
-        expired = self._monitor.expired()
-        return {p for p in processes if p in self._retired or p in expired or self.launcher.exit_code(p) is not None}
-
-    def _check_alive(self, worker_ids: set[int], doing: str) -> set[int]:
-        """Workers among ``worker_ids`` whose process is lost: raised, or (restart, rehome) returned and marked failed."""
-        gone = self._gone({self.serving[w] for w in worker_ids})
-        lost = {w for w in worker_ids if self.serving[w] in gone}
-        if lost and (self.on_worker_failure == "raise" or self._recovering):
-            raise self._lost(min(lost), doing)
-        action = "moving its envs to the other workers" if self.on_worker_failure == "rehome" else "replacing it"
-        for w in sorted(lost):
-            if not self._restartable(w):
-                raise self._lost(w, doing)
-            logger.warning("%s was lost while %s; %s.", self.launcher.describe(self.serving[w]), doing, action)
-        self._failed |= lost
-        return lost
-
-    def _restartable(self, worker_id: int) -> bool:
-        """Whether a replacement can take over: its envs were built once (a crash while building them would recur)."""
-        last = self._last_sent.get(worker_id)
-        return last is not None and last.kind is not Kind.INIT
-
-    def _remote_error(self, worker_id: int, msg: Message, doing: str, close: bool = True) -> RemoteEnvError:
-        """The ``RemoteEnvError`` (also of the original exception's type) for an ERROR reply.
-
-        ``close``: the env's state is unknown after the error, so the workers are closed.
-        """
-        meta = meta_of(msg, ErrorMeta)
-        cause: BaseException | None = None
-        if msg.blobs:
-            try:
-                cause = self.loads(msg.blobs[0])
-            except Exception as exc:
-                logger.debug("Could not unpickle the remote exception: %s", exc)
-        original = type(cause) if isinstance(cause, BaseException) else builtin_exception_type(meta["exc_type"])
-        where = f"env {meta['env_index']}" if meta["env_index"] is not None else "an env"
-        error = remote_error_type(original)(
-            f"{where} on worker {worker_id} raised {meta['exc_type']} while {doing}: {meta['message']}\n\n"
-            f"Remote traceback:\n{meta['traceback']}",
-            env_index=meta["env_index"],
-            worker_id=worker_id,
-            exc_type=meta["exc_type"],
-            remote_traceback=meta["traceback"],
-        )
-        if isinstance(cause, BaseException):
-            error.__cause__ = cause
-        if close:
-            self.on_fatal(False)
-        return error
-
-    def _recover(
-        self, lost: list[int], replies: dict[int, Message], doing: str, idle: frozenset[int] = frozenset()
-    ) -> None:
-        """The one recovery path: replace each lost worker, then do what its pending command's sender declared.
-
-        ``idle``: workers among ``lost`` that had answered their last command (streaming calls
-        notice losses of workers they are not waiting for): nothing is pending, so nothing is
-        replayed or reported here; the restart hooks decide what their envs' loss means.
-        """
-        self._recovering = True
-        try:
-            for worker_id in lost:
-                sent = self._last_sent[worker_id]
-                if sent.on_loss is OnLoss.RAISE and worker_id not in idle:
-                    raise self._lost(
-                        worker_id, f"{doing} ({sent.kind.name} cannot be recovered on a replacement worker)"
-                    )
-                if self.on_worker_failure == "rehome":
-                    self._rehome(worker_id, doing)
-                else:
-                    self._restart(worker_id)
-                for hook in self._restart_hooks:
-                    hook(worker_id)
-                if worker_id in idle:
-                    continue
-                if sent.on_loss is OnLoss.INTERRUPT:
-                    self._interrupted.add(worker_id)
-                elif sent.on_loss is OnLoss.REPLAY:
-                    self.send(worker_id, sent.kind, sent.meta, sent.arrays, sent.blobs, sent.on_loss)
-                    replies[worker_id] = self.gather([worker_id], doing, self.start_timeout)[worker_id]
-        finally:
-            self._recovering = False
-
-    def _restart(self, worker_id: int) -> None:
-        """A replacement for ``worker_id``, joined, its envs rebuilt, and the restart hooks run."""
-        logger.warning("Starting a replacement for worker %d (%s).", worker_id, self.describe_work(worker_id))
-        self.launcher.kill(worker_id)
-        self._monitor.forget(worker_id)
-        self._watched.discard(worker_id)
-        old = self._identities.pop(worker_id, None)
-        self._peers.pop(old or b"", None)
-        if old is not None:
-            self._channel.forget(old)
-        self.launcher.start([worker_id], self.address, self.key)
-        self._join([worker_id], self.start_timeout)
-        self._failed.discard(worker_id)
-        self._send_init(worker_id, replacement=True)
-        self.gather([worker_id], f"rebuilding the envs of worker {worker_id}", self.start_timeout)
-
-    def _rehome(self, worker_id: int, doing: str) -> None:
-        """Rebuild a lost worker's envs in the surviving process that carries the fewest envs."""
-        process = self.serving[worker_id]
-        if process not in self._retired:
-            self._retire(process)
-        survivors = self._live_processes()
-        if len(survivors) < self.min_workers:
-            raise self._lost(
-                worker_id,
-                doing,
-                f" {len(survivors)} worker processes survive, fewer than min_workers={self.min_workers}.",
-            )
-        target = self._least_loaded(survivors)
-        logger.warning(
-            "Moving worker %d's envs (%s) to worker process %d (%s).",
-            worker_id,
-            self.describe_work(worker_id),
-            target,
-            self.launcher.describe(target),
-        )
-        self._rebuild_in(worker_id, target)
-
-    def _retire(self, process: int) -> None:
-        """Give up on a lost process for good: end it if possible, and accept nothing more from it."""
-        self._retired[process] = self._how_lost(process)
-        self.launcher.kill(process)
-        self._monitor.forget(process)
-        self._watched.discard(process)
-        identity = next(i for i, p in self._peers.items() if p == process)
-        del self._peers[identity]
-        self._channel.forget(identity)
-
     # -- shutdown --------------------------------------------------------------------------
     def close_after_error(self, terminate: bool) -> None:
         """The default ``on_fatal``: close the pool (ClusterEnv replaces it with its own ``close``)."""
@@ -906,12 +438,3 @@ def _shutdown(launcher: Launcher, monitor: HeartbeatMonitor, channel: Channel, c
     monitor.close()
     channel.close(linger=_CLOSE_LINGER_MS)
     context.term()
-
-
-def _percentiles(latencies: Iterable[float] | None) -> dict[str, float] | None:
-    """The median, 95th percentile and maximum of a worker's recent reply latencies, in milliseconds."""
-    if not latencies:
-        return None
-    values = np.fromiter(latencies, dtype=np.float64) * 1000.0
-    p50, p95 = np.percentile(values, [50, 95]).tolist()
-    return {"p50": p50, "p95": p95, "max": float(values.max()), "replies": len(values)}

@@ -1,17 +1,22 @@
-"""Checks of user input, run on the learner before anything is sent to a worker.
+"""Checks of user input, run on the learner before anything is sent to a worker, and its defaults.
 
 Each check either returns the value in the form the wire needs or raises with what was
-wrong and what was expected, in Gymnasium's wording where Gymnasium has one.
+wrong and what was expected, in Gymnasium's wording where Gymnasium has one. The env
+factories and the learner's env registry (:func:`worker_context`) are pickled here too.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import cloudpickle
+import gymnasium
 import numpy as np
 from gymnasium import Env, spaces
+from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import iterate
 
 from clusterenv.wire.contract import per_env_seeds
@@ -25,6 +30,7 @@ __all__ = [
     "check_batch_size",
     "check_choice",
     "check_env_fns",
+    "check_first_ready",
     "check_flag",
     "check_indices",
     "check_min_workers",
@@ -35,9 +41,13 @@ __all__ = [
     "check_reset_options",
     "check_seconds",
     "check_seeds",
+    "default_num_workers",
     "pickle_argument",
     "pickle_env_fn",
+    "worker_context",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 def check_choice(name: str, value: Any, choices: Sequence[Any]) -> Any:
@@ -46,6 +56,20 @@ def check_choice(name: str, value: Any, choices: Sequence[Any]) -> Any:
         expected = " or ".join(map(repr, choices)) if len(choices) == 2 else f"one of {list(choices)}"
         raise ValueError(f"`{name}` must be {expected}, got {value!r}.")
     return value
+
+
+def check_first_ready(observation_mode: Any, autoreset_mode: AutoresetMode | None = None) -> None:
+    """First-ready batches (``async_reset``/``send``/``recv``) need one observation space; ``async_reset`` an autoreset mode."""
+    if observation_mode == "different":
+        raise ValueError(
+            "async_reset/send/recv batch any subset of envs, so they need observation_mode='same' "
+            "(one observation space for all envs)."
+        )
+    if autoreset_mode is AutoresetMode.DISABLED:
+        raise ValueError(
+            "async_reset/send/recv need an autoreset mode (NEXT_STEP or SAME_STEP): under DISABLED an "
+            "env that ended can only be reset with reset(options={'reset_mask': ...}), which waits for all envs."
+        )
 
 
 def check_flag(name: str, value: Any) -> bool:
@@ -331,3 +355,26 @@ def check_indices(indices: Any, num_envs: int) -> list[int] | None:
             raise IndexError(f"Env index {index} is out of range for num_envs={num_envs}.")
         checked.append(int(index) % num_envs)
     return checked
+
+
+def worker_context(observation_space: spaces.Space | None) -> bytes:
+    """What every worker needs before it runs the factories: this process's env registry, and a given observation space.
+
+    A factory calling ``gym.make(id)`` must find ids that only this process registered
+    (``gym.register`` in the script, ``gym.register_envs(ale_py)``), as it would under
+    ``SyncVectorEnv``. Each spec travels pickled on its own, so that one a worker cannot load
+    (its entry point's module is not installed there) costs only that id.
+    """
+    specs = {}
+    for env_id, spec in gymnasium.registry.items():
+        try:
+            specs[env_id] = cloudpickle.dumps(spec)
+        except Exception as exc:
+            logger.debug("Env id %r stays unknown to workers: its spec cannot be pickled (%s).", env_id, exc)
+    return cloudpickle.dumps({"registry": specs, "observation_space": observation_space})
+
+
+def default_num_workers(num_envs: int) -> int:
+    """One worker per available core, at most one per env."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, num_envs))

@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-import cloudpickle
 import gymnasium
 import numpy as np
 from gymnasium import Env, spaces
 from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError, ResetNeeded
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.async_vector_env import AsyncState
-from gymnasium.vector.utils import batch_differing_spaces, batch_space
 
 from clusterenv.launch.launchers import Launcher
 from clusterenv.learner.first_ready import FirstReady, Ready
@@ -28,6 +25,7 @@ from clusterenv.learner.validation import (
     check_batch_size,
     check_choice,
     check_env_fns,
+    check_first_ready,
     check_flag,
     check_indices,
     check_min_workers,
@@ -37,11 +35,20 @@ from clusterenv.learner.validation import (
     check_reset_options,
     check_seconds,
     check_seeds,
+    default_num_workers,
     pickle_argument,
     pickle_env_fn,
+    worker_context,
 )
 from clusterenv.wire.codecs import check_codec
-from clusterenv.wire.contract import by_part, check_spaces, in_index_order, per_env_values, split_evenly, values_by_part
+from clusterenv.wire.contract import (
+    by_part,
+    in_index_order,
+    per_env_values,
+    split_evenly,
+    values_by_part,
+    vector_spaces,
+)
 from clusterenv.wire.leaves import is_array_tree, leaf_specs
 from clusterenv.wire.liveness import Heartbeat
 from clusterenv.wire.messages import CallMeta, EnvsMeta, ResetMeta
@@ -52,28 +59,6 @@ __all__ = ["WORKER_RESTARTED_KEY", "ClusterEnv"]
 logger = logging.getLogger(__name__)
 
 _CLOSE_GRACE_S = 5.0
-
-
-def _worker_context(observation_space: spaces.Space | None) -> bytes:
-    """What every worker needs before it runs the factories: this process's env registry, and a given observation space.
-
-    A factory calling ``gym.make(id)`` must find ids that only this process registered
-    (``gym.register`` in the script, ``gym.register_envs(ale_py)``), as it would under
-    ``SyncVectorEnv``. Each spec travels pickled on its own, so that one a worker cannot load
-    (its entry point's module is not installed there) costs only that id.
-    """
-    specs = {}
-    for env_id, spec in gymnasium.registry.items():
-        try:
-            specs[env_id] = cloudpickle.dumps(spec)
-        except Exception as exc:
-            logger.debug("Env id %r stays unknown to workers: its spec cannot be pickled (%s).", env_id, exc)
-    return cloudpickle.dumps({"registry": specs, "observation_space": observation_space})
-
-
-def _default_num_workers(num_envs: int) -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(cores, num_envs))
 
 
 class ClusterEnv(VectorEnv):
@@ -165,17 +150,11 @@ class ClusterEnv(VectorEnv):
             encrypt: encrypt all traffic with CurveZMQ, keys derived from the secret; a peer
                 without the secret then cannot even connect. External workers need
                 ``clusterenv-worker --encrypt``.
-            shared_memory: workers on this host write large array observations (at least 64 KB
-                per worker and step) straight into the learner's batch in shared memory, as
-                ``AsyncVectorEnv(shared_memory=True)`` does; ``False`` sends them as frames always
-                (containers with a small ``/dev/shm``). Workers on other hosts always send frames.
-            compression: ``"lz4"`` (default), ``"zstd"`` or ``None``: how array frames of 4 KB or
-                more travel on tcp connections (workers on other hosts), both ways: observations,
-                rollouts, weights. Lossless: results are bit-identical. A frame that does not
-                shrink travels as it is. On Atari frames lz4 cuts the bytes about 60x and the
-                learner's CPU per frame about in half (hashing fewer bytes), for a few µs of the
-                worker's CPU; zstd cuts the bytes about 150x for a little more of it, for links of
-                1 Gbit/s or less (see docs/guides/multi-node.md). ``ipc://`` (one host) never compresses.
+            shared_memory: workers on this host write large observations (64 KB or more per worker)
+                into the learner's batch in shared memory; ``False``: frames always (a small ``/dev/shm``).
+            compression: ``"lz4"`` (default), ``"zstd"`` or ``None``: lossless compression of array
+                frames of 4 KB or more on tcp (observations, rollouts, weights, both ways); zstd for
+                slow links (docs/guides/multi-node.md). ``ipc://`` never compresses.
         """
         super().__init__()
         self._state = AsyncState.DEFAULT
@@ -184,7 +163,7 @@ class ClusterEnv(VectorEnv):
         check_env_fns(env_fns)
         self.num_envs = len(env_fns)
         if num_workers is None:
-            num_workers = _default_num_workers(self.num_envs)
+            num_workers = default_num_workers(self.num_envs)
         self.num_workers = num_workers = check_num_workers(num_workers, self.num_envs)
         self.procs_per_worker = check_procs_per_worker(procs_per_worker)
         mode = autoreset_mode.value if isinstance(autoreset_mode, AutoresetMode) else autoreset_mode
@@ -286,7 +265,7 @@ class ClusterEnv(VectorEnv):
     # -- construction ----------------------------------------------------------------------
     def _init_workers(self, pickled_fns: list[bytes], observation_mode: Any, timeout: float) -> None:
         custom = isinstance(observation_mode, tuple)
-        context = _worker_context(observation_mode[1] if custom else None)
+        context = worker_context(observation_mode[1] if custom else None)
         self._pool.new_call()
         for w, sl in enumerate(self._slices):
             meta = EnvsMeta(
@@ -304,17 +283,9 @@ class ClusterEnv(VectorEnv):
         self.metadata = dict(descriptions[0]["metadata"])
         self.metadata["autoreset_mode"] = self.autoreset_mode
         self.render_mode = descriptions[0]["render_mode"]
-        check_spaces(obs_spaces, action_spaces, "custom" if custom else observation_mode)
-        self.single_action_space = action_spaces[0]
-        if custom:  # each worker checked its envs against the given single space
-            self.observation_space, self.single_observation_space = observation_mode
-        elif observation_mode == "same":
-            self.single_observation_space = obs_spaces[0]
-            self.observation_space = batch_space(self.single_observation_space, self.num_envs)
-        else:
-            self.single_observation_space = obs_spaces[0]
-            self.observation_space = batch_differing_spaces(obs_spaces)
-        self.action_space = batch_space(self.single_action_space, self.num_envs)
+        self.single_observation_space, self.observation_space, self.single_action_space, self.action_space = (
+            vector_spaces(obs_spaces, action_spaces, observation_mode)
+        )
         same = observation_mode == "same" or custom
         shared = (
             share_with_local_workers(self._pool, self.single_observation_space, self._slices, timeout)
@@ -473,14 +444,9 @@ class ClusterEnv(VectorEnv):
         Each env's trajectory is exactly that of the same env stepped alone with its seed
         (``seed + i`` for env ``i``) and the actions :meth:`send` gives it.
         """
-        if self.autoreset_mode is AutoresetMode.DISABLED:
-            raise ValueError(
-                "async_reset/send/recv need an autoreset mode (NEXT_STEP or SAME_STEP): under DISABLED an "
-                "env that ended can only be reset with reset(options={'reset_mask': ...}), which waits for all envs."
-            )
+        check_first_ready(self._observation_mode, self.autoreset_mode)
         if options is not None and "reset_mask" in options:
             raise ValueError("async_reset() resets every env; `options['reset_mask']` is for reset().")
-        self._check_first_ready()
         self.reset_async(seed=seed, options=options)
         self._state, self._needs_reset = AsyncState.WAITING_STEP, False
         self._first_ready.in_flight = dict.fromkeys(self._pending, "reset")
@@ -491,7 +457,7 @@ class ClusterEnv(VectorEnv):
         ``actions[j]`` is the action of env ``env_ids[j]``.
         """
         self._assert_is_running()
-        self._check_first_ready()
+        check_first_ready(self._observation_mode)
         if self._needs_reset:
             raise ResetNeeded("Cannot call `send` before a reset: call async_reset() (or reset()) first.")
         if self._action_specs is None:
@@ -583,13 +549,6 @@ class ClusterEnv(VectorEnv):
             # Lost while its envs were in the caller's hands (recv() returned them): the next send() resets
             # the fresh envs instead of stepping them, and recv() reports the cut.
             self._cut_pending.add(worker_id)
-
-    def _check_first_ready(self) -> None:
-        if self._observation_mode == "different":
-            raise ValueError(
-                "async_reset/send/recv batch any subset of envs, so they need observation_mode='same' "
-                "(one observation space for all envs)."
-            )
 
     # -- attributes ------------------------------------------------------------------------
     # An exception raised by an attribute or a called method is the caller's business (SB3's

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 from gymnasium import spaces
+from gymnasium.vector.utils import batch_differing_spaces, batch_space
 
 __all__ = [
     "by_part",
@@ -22,6 +23,7 @@ __all__ = [
     "per_env_values",
     "split_evenly",
     "values_by_part",
+    "vector_spaces",
 ]
 
 
@@ -46,6 +48,31 @@ def check_spaces(
                 "Sub-environment action space doesn't make the `single_action_space`, "
                 f"action_space={action_space}, single_action_space={single_action_space}"
             )
+
+
+def vector_spaces(
+    observation_spaces: list[spaces.Space], action_spaces: list[spaces.Space], observation_mode: Any
+) -> tuple[spaces.Space, spaces.Space, spaces.Space, spaces.Space]:
+    """``(single_observation_space, observation_space, single_action_space, action_space)``, as ``SyncVectorEnv`` derives them.
+
+    ``observation_mode`` is ``"same"``, ``"different"``, or a given ``(observation_space,
+    single_observation_space)``, against which each worker checked its own envs.
+    """
+    custom = isinstance(observation_mode, tuple)
+    check_spaces(observation_spaces, action_spaces, "custom" if custom else observation_mode)
+    single_observation_space = observation_spaces[0]
+    if custom:
+        observation_space, single_observation_space = observation_mode
+    elif observation_mode == "same":
+        observation_space = batch_space(single_observation_space, len(observation_spaces))
+    else:
+        observation_space = batch_differing_spaces(observation_spaces)
+    return (
+        single_observation_space,
+        observation_space,
+        action_spaces[0],
+        batch_space(action_spaces[0], len(action_spaces)),
+    )
 
 
 def per_env_values(values: Any, num_envs: int) -> list[Any] | tuple[Any, ...]:
