@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ctypes
+import itertools
+import os
 import subprocess
 import time
 import warnings
@@ -476,3 +478,45 @@ class SpriteEnv(gym.Env):
             self.t >= self.max_len,
             {"position": self.position},
         )
+
+
+_FLAKY_ERRORS = itertools.count()  # numbers the errors of one process: each message is unique
+
+
+class FlakyCartPole(gym.Wrapper):
+    """CartPole whose step raises ``RuntimeError`` now and then (with ``probability``), at seeded random steps.
+
+    Each error is written to the file ``log`` first, one line with a message no other error
+    has, so that a test can tell that every error was reported, and reported once.
+    """
+
+    def __init__(self, log: str, probability: float = 0.01) -> None:
+        super().__init__(gym.make("CartPole-v1"))
+        self.log, self.probability = log, probability
+        self._rng = np.random.default_rng()
+        self._t = 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        if seed is not None:
+            self._rng = np.random.default_rng(seed + 10_000)
+        return self.env.reset(seed=seed, options=options)
+
+    def step(self, action):
+        self._t += 1
+        if self._rng.random() < self.probability:
+            message = f"flaky error {next(_FLAKY_ERRORS)} in process {os.getpid()}, step {self._t}"
+            with open(self.log, "a") as f:
+                f.write(message + "\n")
+            raise RuntimeError(message)
+        return self.env.step(action)
+
+
+def failing_factory(log: str) -> gym.Env:
+    """Makes an env that raises at its first step, once; every later call of the factory raises."""
+    with open(log, "a+") as f:
+        f.seek(0)
+        made = len(f.read().splitlines())
+        f.write("made\n")
+    if made:
+        raise OSError("the simulator's licence server is down")
+    return FlakyCartPole(log + ".errors", probability=1.0)

@@ -16,7 +16,7 @@ from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize  # noqa: 
 
 from clusterenv.sb3 import ClusterVecEnv  # noqa: E402
 from tests.conftest import assert_same  # noqa: E402
-from tests.envs import NoOptionsEnv, ResetArgumentsEnv, RichSpacesEnv  # noqa: E402
+from tests.envs import FlakyCartPole, NoOptionsEnv, ResetArgumentsEnv, RichSpacesEnv  # noqa: E402
 
 
 def monitored_cartpole() -> gym.Env:
@@ -178,3 +178,22 @@ def test_resets_get_the_arguments_dummy_vec_env_gives():
     finally:
         for env in envs:
             env.close()
+
+
+def test_an_env_error_ends_the_episode_as_sb3_reports_a_time_limit(tmp_path):
+    flaky = functools.partial(FlakyCartPole, str(tmp_path / "raised.txt"), 0.05)
+    env = ClusterVecEnv([flaky] * 2, num_workers=2, on_env_error="reset")
+    try:
+        env.seed(0)
+        env.reset()
+        errors = []
+        for _ in range(200):
+            _, rewards, dones, infos = env.step(np.array([0, 1]))
+            for i, info in enumerate(infos):
+                if "env_error" in info:
+                    assert dones[i] and rewards[i] == 0 and info["TimeLimit.truncated"]
+                    assert info["terminal_observation"].shape == (4,)
+                    errors.append(info["env_error"]["message"])
+    finally:
+        env.close()
+    assert errors and sorted(errors) == sorted((tmp_path / "raised.txt").read_text().splitlines())

@@ -29,6 +29,7 @@ __all__ = [
     "check_attribute_name",
     "check_batch_size",
     "check_choice",
+    "check_count",
     "check_env_fns",
     "check_first_ready",
     "check_flag",
@@ -114,6 +115,15 @@ def _count_between(name: str, value: Any, high: int, high_name: str) -> int:
         raise TypeError(f"`{name}` must be an integer, got {type(value).__name__} ({value!r}).")
     if not 1 <= value <= high:
         raise ValueError(f"`{name}` must be between 1 and {high_name} ({high}), got {value}.")
+    return int(value)
+
+
+def check_count(name: str, value: Any) -> int:
+    """A non-negative integer ``value``, else a clear error."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"`{name}` must be an integer, got {type(value).__name__} ({value!r}).")
+    if value < 0:
+        raise ValueError(f"`{name}` must be at least 0, got {value}.")
     return int(value)
 
 

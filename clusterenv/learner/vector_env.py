@@ -24,6 +24,7 @@ from clusterenv.learner.validation import (
     check_attribute_name,
     check_batch_size,
     check_choice,
+    check_count,
     check_env_fns,
     check_first_ready,
     check_flag,
@@ -96,6 +97,8 @@ class ClusterEnv(VectorEnv):
         secret: str | bytes | None = None,
         launcher: Launcher | str | None = None,
         on_worker_failure: str = "raise",
+        on_env_error: str = "raise",
+        max_env_errors: int = 10,
         min_workers: int = 1,
         heartbeat: Heartbeat | None = None,
         batch_size: int | None = None,
@@ -133,6 +136,9 @@ class ClusterEnv(VectorEnv):
                 carries the fewest envs, with no new process. Either way the rebuilt envs report
                 the interrupted episode as truncated, with ``infos["worker_restarted"]`` set (exact
                 semantics in docs/guides/fault-tolerance.md).
+            on_env_error: ``"raise"`` an env's exception, or ``"reset"``: end only its episode (truncated,
+                ``infos["env_error"]``) and rebuild the env from its factory (docs/guides/flaky-envs.md).
+            max_env_errors: under ``"reset"``, the errors one env may raise within 1,000 of its steps.
             min_workers: with ``"rehome"``, the fewest worker processes to go on with: a loss that
                 leaves fewer raises ``WorkerLostError``, naming who was lost and why; and if fewer
                 than ``num_workers`` but at least this many joined within ``start_timeout``, the
@@ -174,6 +180,8 @@ class ClusterEnv(VectorEnv):
         self.timeout = check_seconds("timeout", timeout, allow_none=True)
         start_timeout = check_seconds("start_timeout", start_timeout, allow_none=False)
         self.on_worker_failure = check_choice("on_worker_failure", on_worker_failure, ["raise", "restart", "rehome"])
+        self.on_env_error = check_choice("on_env_error", on_env_error, ["raise", "reset"])
+        self._max_env_errors = check_count("max_env_errors", max_env_errors) if on_env_error == "reset" else None
         min_workers = check_min_workers(min_workers, num_workers)
         self.heartbeat = Heartbeat() if heartbeat is None else heartbeat
         pickled_fns = [pickle_env_fn(i, fn) for i, fn in enumerate(env_fns)]
@@ -273,6 +281,7 @@ class ClusterEnv(VectorEnv):
                 autoreset_mode=self.autoreset_mode.value,
                 observation_mode="custom" if custom else observation_mode,
                 procs_per_worker=self.procs_per_worker,
+                max_env_errors=self._max_env_errors,
             )
             self._pool.send_init(w, meta, [context, *pickled_fns[sl]])
         replies = self._pool.gather(range(self.num_workers), "building envs", timeout)
@@ -603,14 +612,9 @@ class ClusterEnv(VectorEnv):
     def apply(self, fn: Callable[[Env], Any], indices: Any = None) -> tuple[Any, ...]:
         """``fn(env)`` for every env (or those in ``indices``), run in the env's own process; the results.
 
-        ``fn`` travels cloudpickled, like the env factories; its results travel back pickled. It
-        sees each env as its factory made it (wrappers included), e.g.
-        ``envs.apply(lambda env: env.spec.id)``.
-
-        Args:
-            fn: a picklable function of one env.
-            indices: only these envs (an int or ints; negative ones count from the end), in
-                this order; ``None``: all, in env order.
+        ``fn`` (picklable) travels cloudpickled, like the env factories; its results travel back
+        pickled. It sees each env as its factory made it (wrappers included), e.g.
+        ``envs.apply(lambda env: env.spec.id)``. ``indices`` as for :meth:`get_attr`.
         """
         if not callable(fn):
             raise TypeError(f"`fn` must be a callable taking one env, got {type(fn).__name__}.")
@@ -669,10 +673,10 @@ class ClusterEnv(VectorEnv):
     def worker_info(self) -> list[dict[str, Any]]:
         """Per worker process: ``{"worker_id", "host", "pid", "state", "serves", "env_ids", "lost_because", "silent_s", "latency_ms"}``.
 
-        Host and pid are what the process said when it joined (replacements included).
-        ``state`` is ``"active"``, ``"idle"`` (joined mid-run, nothing to step yet), or ``"lost"``
-        for a process given up under ``"rehome"`` (``lost_because`` says why); ``serves`` the workers whose envs it steps (its own, and
-        any re-homed onto it) and ``env_ids`` their indices; ``silent_s`` the seconds since its
+        Host and pid are what the process said when it joined (replacements included). ``state`` is
+        ``"active"``, ``"idle"`` (joined mid-run, nothing to step yet), or ``"lost"`` for a process given
+        up under ``"rehome"`` (``lost_because`` says why); ``serves`` the workers whose envs it steps
+        (its own, and any re-homed onto it) and ``env_ids`` their indices; ``silent_s`` the seconds since its
         last heartbeat, to spot a process that stalls before it is declared lost;
         ``latency_ms`` the median, 95th percentile and maximum of the time from the learner's
         command to the reply, over the last ``LATENCY_WINDOW`` (256) replies per worker it

@@ -58,6 +58,7 @@ class EnvsMeta(TypedDict):
     autoreset_mode: str
     observation_mode: str  # "same", "different", or "custom" (the space is in the context blob)
     procs_per_worker: int
+    max_env_errors: int | None  # on_env_error="reset": errors allowed per env (None: "raise")
 
 
 class InitMeta(Empty, EnvsMeta):

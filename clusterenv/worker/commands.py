@@ -153,9 +153,10 @@ class Worker:
                     autoreset_mode=autoreset_mode,
                     env_offset=self.env_offset,
                     registry=context["registry"],
+                    max_env_errors=meta["max_env_errors"],
                 )
             else:
-                self.envs = build(env_blobs, mode, autoreset_mode, self.tracker)
+                self.envs = build(env_blobs, mode, autoreset_mode, self.tracker, meta["max_env_errors"])
         if meta["replacement"] and self.envs.autoreset_mode is AutoresetMode.NEXT_STEP:
             # A replacement for a lost worker: its envs' episodes were cut short, so under
             # NEXT_STEP their next step is the autoreset step (see docs/guides/fault-tolerance.md).

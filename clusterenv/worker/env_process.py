@@ -44,10 +44,10 @@ class _ChildEnvs:
         self.array_obs = True
         self.tracker = EnvTracker()
 
-    def init(self, payload: tuple[list[bytes], Any, str, dict[str, bytes]]) -> dict[str, Any]:
-        env_blobs, observation_mode, autoreset_mode, registry = payload
+    def init(self, payload: tuple[list[bytes], Any, str, dict[str, bytes], int | None]) -> dict[str, Any]:
+        env_blobs, observation_mode, autoreset_mode, registry, max_env_errors = payload
         with learner_registry(registry):
-            self.envs = build(env_blobs, observation_mode, AutoresetMode(autoreset_mode), self.tracker)
+            self.envs = build(env_blobs, observation_mode, AutoresetMode(autoreset_mode), self.tracker, max_env_errors)
         self.array_obs = is_array_tree(self.envs.single_observation_space)
         return self.envs.description()
 

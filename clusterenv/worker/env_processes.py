@@ -161,6 +161,7 @@ class ProcVectorEnv(VectorEnv):
         autoreset_mode: Gymnasium's autoreset mode.
         env_offset: the global index of the slice's first env, for messages.
         registry: the learner's env registry (pickled specs by id), installed in every child before its factories run.
+        max_env_errors: under ``on_env_error="reset"``, the errors each env may raise (see ``worker/env_errors.py``).
     """
 
     info_log: list[InfoRecord]
@@ -174,6 +175,7 @@ class ProcVectorEnv(VectorEnv):
         autoreset_mode: Any,
         env_offset: int = 0,
         registry: dict[str, bytes] | None = None,
+        max_env_errors: int | None = None,
     ) -> None:
         super().__init__()
         self.num_envs = len(env_blobs)
@@ -184,7 +186,10 @@ class ProcVectorEnv(VectorEnv):
             for k, part in enumerate(split_evenly(self.num_envs, min(num_procs, self.num_envs))):
                 self._children.append(_Child(k, part, env_offset))
             parts = self._all(
-                lambda c: ("init", (env_blobs[c.part], observation_mode, self.autoreset_mode.value, registry or {}))
+                lambda c: (
+                    "init",
+                    (env_blobs[c.part], observation_mode, self.autoreset_mode.value, registry or {}, max_env_errors),
+                )
             )
             self._describe([parts[k] for k in range(len(self._children))], observation_mode)
             self._allocate()

@@ -27,6 +27,7 @@ from gymnasium.vector.utils import batch_space, concatenate, create_empty_array
 from clusterenv.wire import shared_memory
 from clusterenv.wire.infos import InfoRecord
 from clusterenv.wire.leaves import leaf_arrays
+from clusterenv.worker.env_errors import ResettingEnv, user_env
 from clusterenv.worker.failures import EnvTracker, TrackedEnvs
 
 __all__ = ["RecordingVectorEnv", "build", "dumps", "install_registry", "learner_registry", "make_envs"]
@@ -125,7 +126,7 @@ class RecordingVectorEnv(SyncVectorEnv):
         for i in range(self.num_envs) if indices is None else indices:
             env = self.envs[i]
             if name is None:
-                results.append(args[0](env))
+                results.append(args[0](user_env(env)))
             else:
                 function = env.get_wrapper_attr(name)
                 results.append(function(*args, **kwargs) if callable(function) else function)
@@ -197,15 +198,22 @@ def learner_registry(specs: dict[str, bytes]) -> Iterator[None]:
 
 
 def build(
-    env_blobs: list[bytes], observation_mode: Any, autoreset_mode: Any, tracker: EnvTracker
+    env_blobs: list[bytes],
+    observation_mode: Any,
+    autoreset_mode: Any,
+    tracker: EnvTracker,
+    max_env_errors: int | None = None,
 ) -> RecordingVectorEnv:
     """A RecordingVectorEnv over the envs that the pickled factories ``env_blobs`` make.
 
     ``observation_mode`` is ``"same"``, ``"different"``, or a single observation space that
     every env's observation batches into (``SyncVectorEnv``'s ``(batch space, single space)`` form).
     ``tracker`` learns which env is being built, and later which env each loop reaches.
+    ``max_env_errors``: under ``on_env_error="reset"``, each env is a :class:`ResettingEnv` allowing that many errors.
     """
     env_fns = [pickle.loads(blob) for blob in env_blobs]
+    if max_env_errors is not None:
+        env_fns = [functools.partial(_resetting, env_fn, max_env_errors) for env_fn in env_fns]
     if isinstance(observation_mode, gymnasium.Space):
         observation_mode = (batch_space(observation_mode, len(env_fns)), observation_mode)
     envs = RecordingVectorEnv(
@@ -242,3 +250,7 @@ def dumps(value: Any) -> bytes:
 
 def _identity(value: Any) -> Any:
     return value
+
+
+def _resetting(env_fn: Callable[[], Any], max_env_errors: int) -> ResettingEnv:
+    return ResettingEnv(env_fn(), env_fn, max_env_errors)
