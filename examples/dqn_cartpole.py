@@ -192,9 +192,11 @@ if __name__ == "__main__":
     # stored transition is real and truncated episodes bootstrap from their last observation. The
     # default NEXT_STEP would instead spend the next step on the reset (reward 0, action ignored),
     # a transition that would have to be kept out of the replay buffer.
-    VectorEnv = {"clusterenv": clusterenv.ClusterEnv, "gym": gym.vector.SyncVectorEnv, "async": gym.vector.AsyncVectorEnv}[
-        args.backend
-    ]
+    VectorEnv = {
+        "clusterenv": clusterenv.ClusterEnv,
+        "gym": gym.vector.SyncVectorEnv,
+        "async": gym.vector.AsyncVectorEnv,
+    }[args.backend]
     envs = VectorEnv(
         [make_env(args.env_id, args.seed + i, i, run_name) for i in range(args.num_envs)],
         autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
