@@ -41,12 +41,11 @@ from pathlib import Path
 
 import numpy as np
 import tyro
-import zmq
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # workers import bench_envs from here
 from bench_envs import FrameReplayEnv, SleepEnv, record_breakout  # noqa: E402
-from learner_cpu import _check, _frames, worker_router  # noqa: E402
+from learner_cpu import _check, _frames, hello_dealer, worker_router  # noqa: E402
 from report import command_line  # noqa: E402
 
 from clusterenv import ClusterEnv  # noqa: E402
@@ -116,12 +115,7 @@ def clusterenv_run(env_fns: list, num_workers: int, codec: str, seconds: float) 
 
 def floor_worker(address: str, identity: bytes, key: bytes, path: str, offsets: list[int]) -> None:
     """One bare-pyzmq worker: check the command's MAC, gather its envs' next frames, reply with them."""
-    context = zmq.Context()
-    socket = context.socket(zmq.DEALER)
-    socket.setsockopt(zmq.IDENTITY, identity)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.connect(address)
-    socket.send(b"hello")
+    context, socket = hello_dealer(address, identity)
     recording = np.load(path)
     rows = np.array(offsets)
     obs = np.empty((len(offsets), *recording.shape[1:]), np.uint8)

@@ -83,14 +83,20 @@ def _check(key: bytes, frames: list[zmq.Frame]) -> list[np.ndarray]:
     return [np.frombuffer(f.buffer, dtype=d).reshape(s) for (d, s), f in zip(specs, frames[1:-1], strict=True)]
 
 
-def floor_worker(address: str, identity: bytes, key: bytes, step_s: float, sigma: float = 0.0) -> None:
-    """One bare-pyzmq worker: check the command's MAC, sleep ``step_s`` (lognormal spread ``sigma``, mean kept), reply."""
+def hello_dealer(address: str, identity: bytes) -> tuple[zmq.Context, zmq.Socket]:
+    """A bare-pyzmq worker's DEALER, connected to ``address`` as ``identity``, its hello sent."""
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.IDENTITY, identity)
     socket.setsockopt(zmq.LINGER, 0)
     socket.connect(address)
     socket.send(b"hello")
+    return context, socket
+
+
+def floor_worker(address: str, identity: bytes, key: bytes, step_s: float, sigma: float = 0.0) -> None:
+    """One bare-pyzmq worker: check the command's MAC, sleep ``step_s`` (lognormal spread ``sigma``, mean kept), reply."""
+    context, socket = hello_dealer(address, identity)
     obs, reward = np.zeros((1, 4), np.float32), np.ones(1)
     done = np.zeros(1, np.bool_)
     rng = np.random.default_rng()

@@ -29,14 +29,12 @@ import functools
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from contextlib import closing
 from pathlib import Path
 
 import numpy as np
@@ -90,22 +88,9 @@ class Actor(torch.nn.Module):
         return self.head(self.pool(obs.float() / 255.0).flatten(1))
 
 
-def free_port(host: str) -> int:
-    """A port free on ``host`` now, whose next one (the heartbeat port) is free too."""
-    while True:
-        with closing(socket.socket()) as first, closing(socket.socket()) as second:
-            first.bind((host, 0))
-            port = first.getsockname()[1]
-            try:
-                second.bind((host, port + 1))
-            except OSError:
-                continue
-        return port
-
-
 def run_cell(host: netns.OtherHost, env_fns: list, workload: str, codec: str, args: Args) -> tuple[float, float]:
     """``(env-steps/s, link bytes per env step)`` of one run, its workers started on the other host."""
-    address = f"tcp://{host.learner_ip}:{free_port(host.learner_ip)}"
+    address = f"tcp://{host.learner_ip}:{netns.free_port(host.learner_ip)}"
     child = {**os.environ, SECRET_ENV_VAR: SECRET, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     workers = [
         host.popen(

@@ -14,12 +14,14 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import closing
 from dataclasses import dataclass
 
-__all__ = ["OtherHost", "other_host", "unavailable"]
+__all__ = ["OtherHost", "free_port", "other_host", "unavailable"]
 
 _SUBNET = "10.213"
 _TBF_LATENCY = "50ms"
@@ -70,6 +72,19 @@ class OtherHost:
         """Bytes this side has sent to the other host so far."""
         with open(f"/sys/class/net/{self.device}/statistics/tx_bytes") as f:
             return int(f.read())
+
+
+def free_port(host: str) -> int:
+    """A port free on ``host`` now, whose next one (the heartbeat port) is free too."""
+    while True:
+        with closing(socket.socket()) as first, closing(socket.socket()) as second:
+            first.bind((host, 0))
+            port = first.getsockname()[1]
+            try:
+                second.bind((host, port + 1))
+            except OSError:
+                continue
+        return port
 
 
 def _limit(namespace: str | None, device: str, rate: str) -> None:

@@ -26,23 +26,10 @@ ENV_FNS = [functools.partial(SpriteEnv, size=96)] * 6
 STEPS = 60
 
 
-def free_port(host: str) -> int:
-    """A port free on ``host`` now, whose next one (the heartbeat port) is free too."""
-    while True:
-        with closing(socket.socket()) as first, closing(socket.socket()) as second:
-            first.bind((host, 0))
-            port = first.getsockname()[1]
-            try:
-                second.bind((host, port + 1))
-            except OSError:
-                continue
-        return port
-
-
 @pytest.mark.parametrize("compression", [None, "lz4", "zstd"])
 def test_a_worker_on_another_host_gives_what_a_local_one_gives(compression):
     with netns.other_host() as host:
-        address = f"tcp://{host.learner_ip}:{free_port(host.learner_ip)}"
+        address = f"tcp://{host.learner_ip}:{netns.free_port(host.learner_ip)}"
         workers = [
             subprocess.Popen(worker_command(address, "--worker-id", "0"), env=child_env()),
             host.popen(worker_command(address, "--worker-id", "1"), env=child_env()),

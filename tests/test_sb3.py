@@ -182,7 +182,7 @@ def test_resets_get_the_arguments_dummy_vec_env_gives():
 
 def test_an_env_error_ends_the_episode_as_sb3_reports_a_time_limit(tmp_path):
     flaky = functools.partial(FlakyCartPole, str(tmp_path / "raised.txt"), 0.05)
-    env = ClusterVecEnv([flaky] * 2, num_workers=2, on_env_error="reset")
+    env = ClusterVecEnv([flaky] * 2, num_workers=2, on_env_error="reset", max_env_errors=100)
     try:
         env.seed(0)
         env.reset()
