@@ -34,7 +34,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -110,17 +109,18 @@ def run_cell(host: netns.OtherHost, env_fns: list, workload: str, codec: str, ar
             compression=None if codec == "none" else codec,
         ) as envs:
             envs.reset(seed=0)
-            if workload == "step":
-                actions = np.zeros(envs.num_envs, dtype=np.int64)
-                step: Callable[[], int] = lambda: envs.step(actions) and envs.num_envs  # noqa: E731
-            else:
-                actor = Actor()
-                runner = PolicyRunner(envs, actor, APS(threshold=0.01), seed=0)
+            actions = np.zeros(envs.num_envs, dtype=np.int64)
+            actor = Actor()
+            runner = PolicyRunner(envs, actor, APS(threshold=0.01), seed=0) if workload == "rollout" else None
 
-                def step() -> int:
-                    runner.rollout(args.rollout_steps)
-                    runner.publish(actor)
-                    return args.rollout_steps * envs.num_envs
+            def step() -> int:
+                """One batch step (the learner acts), or one rollout and a publish: the env steps it took."""
+                if runner is None:
+                    envs.step(actions)
+                    return envs.num_envs
+                runner.rollout(args.rollout_steps)
+                runner.publish(actor)
+                return args.rollout_steps * envs.num_envs
 
             for _ in range(3):
                 step()
