@@ -36,6 +36,7 @@ from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices,
 from stable_baselines3.common.vec_env.patch_gym import _patch_env
 
 from clusterenv.learner.vector_env import ClusterEnv
+from clusterenv.wire.layers import Layer
 from clusterenv.wire.leaves import batch_of_items
 
 __all__ = ["ClusterVecEnv"]
@@ -143,13 +144,11 @@ class ClusterVecEnv(VecEnv):
 
     def get_attr(self, attr_name: str, indices: VecEnvIndices = None) -> list[Any]:
         """Attribute ``attr_name`` of each env (``get_wrapper_attr``); an ``AttributeError`` if one lacks it."""
-        return list(
-            self.cluster_env.apply(lambda env: _user_env(env).get_wrapper_attr(attr_name), self._targets(indices))
-        )
+        return list(self.cluster_env.apply(lambda env: env.get_wrapper_attr(attr_name), self._targets(indices)))
 
     def set_attr(self, attr_name: str, value: Any, indices: VecEnvIndices = None) -> None:
         """Set ``attr_name`` to ``value`` on each env's outermost wrapper, as ``SubprocVecEnv`` does."""
-        self.cluster_env.apply(lambda env: setattr(_user_env(env), attr_name, value), self._targets(indices))
+        self.cluster_env.apply(lambda env: setattr(env, attr_name, value), self._targets(indices))
 
     def env_method(
         self, method_name: str, *method_args: Any, indices: VecEnvIndices = None, **method_kwargs: Any
@@ -157,16 +156,14 @@ class ClusterVecEnv(VecEnv):
         """Call method ``method_name`` of each env with the arguments; the results."""
         return list(
             self.cluster_env.apply(
-                lambda env: _user_env(env).get_wrapper_attr(method_name)(*method_args, **method_kwargs),
+                lambda env: env.get_wrapper_attr(method_name)(*method_args, **method_kwargs),
                 self._targets(indices),
             )
         )
 
     def env_is_wrapped(self, wrapper_class: type[gym.Wrapper], indices: VecEnvIndices = None) -> list[bool]:
         """Whether each env is wrapped in ``wrapper_class`` (SB3's ``is_wrapped``, run where the env lives)."""
-        return list(
-            self.cluster_env.apply(lambda env: is_wrapped(_user_env(env), wrapper_class), self._targets(indices))
-        )
+        return list(self.cluster_env.apply(lambda env: is_wrapped(env, wrapper_class), self._targets(indices)))
 
     def _targets(self, indices: VecEnvIndices) -> list[int]:
         return list(self._get_indices(indices))
@@ -188,24 +185,19 @@ class _Patched:
         return _SB3Reset(_patch_env(self.env_fn()))
 
 
-class _SB3Reset(gym.Wrapper):
+class _SB3Reset(Layer):
     """Resets the env as SB3's VecEnvs do: ``options=`` only when there are options for it.
 
     ``DummyVecEnv`` and ``SubprocVecEnv`` call ``env.reset(seed=seed, **maybe_options)``, and
     ``env.reset()`` to autoreset; Gymnasium's ``SyncVectorEnv``, which steps the envs in the
     workers, passes ``options=None`` every time, which an env whose ``reset`` takes no
-    ``options`` refuses. The adapter's attribute methods look past this layer (:func:`_user_env`).
+    ``options`` refuses. ``apply``, and so the adapter's attribute methods, look past this layer.
     """
 
     def reset(self, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
         if not kwargs.get("options"):
             kwargs.pop("options", None)
         return self.env.reset(**kwargs)
-
-
-def _user_env(env: gym.Env) -> gym.Env:
-    """The env as the user's factory made it (inside :class:`_SB3Reset`)."""
-    return env.env if isinstance(env, _SB3Reset) else env
 
 
 def _per_env(batched: dict[str, Any], num_envs: int) -> list[dict[str, Any]]:

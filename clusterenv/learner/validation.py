@@ -111,20 +111,25 @@ def check_seconds(name: str, value: Any, *, allow_none: bool) -> Any:
 
 def _count_between(name: str, value: Any, high: int, high_name: str) -> int:
     """An integer ``value`` between 1 and ``high`` (``high_name`` says what bounds it), else a clear error."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"`{name}` must be an integer, got {type(value).__name__} ({value!r}).")
+    value = _integer(name, value)
     if not 1 <= value <= high:
         raise ValueError(f"`{name}` must be between 1 and {high_name} ({high}), got {value}.")
+    return value
+
+
+def _integer(name: str, value: Any) -> int:
+    """``value`` as an ``int``, if it is a Python or numpy integer (not a bool), else a ``TypeError``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"`{name}` must be an integer, got {type(value).__name__} ({value!r}).")
     return int(value)
 
 
 def check_count(name: str, value: Any) -> int:
     """A non-negative integer ``value``, else a clear error."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"`{name}` must be an integer, got {type(value).__name__} ({value!r}).")
+    value = _integer(name, value)
     if value < 0:
         raise ValueError(f"`{name}` must be at least 0, got {value}.")
-    return int(value)
+    return value
 
 
 def check_num_workers(num_workers: Any, num_envs: int) -> int:

@@ -25,7 +25,9 @@ from typing import Any
 
 import gymnasium as gym
 
-__all__ = ["ENV_ERROR_KEY", "ERROR_WINDOW_STEPS", "REBUILD_ATTEMPTS", "ResettingEnv", "user_env"]
+from clusterenv.wire.layers import Layer
+
+__all__ = ["ENV_ERROR_KEY", "ERROR_WINDOW_STEPS", "REBUILD_ATTEMPTS", "ResettingEnv"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +44,7 @@ def _describe(exc: BaseException) -> dict[str, str]:
     return {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
 
 
-class ResettingEnv(gym.Wrapper):
+class ResettingEnv(Layer):
     """An env whose errors end its episode instead of the run (see the module's docstring).
 
     Args:
@@ -88,10 +90,6 @@ class ResettingEnv(gym.Wrapper):
         self._last_obs = obs
         return obs, reward, terminated, truncated, info
 
-    def set_wrapper_attr(self, name: str, value: Any, *, force: bool = True) -> bool:
-        """Set on the env itself, as without this layer."""
-        return self.env.set_wrapper_attr(name, value, force=force)
-
     def _count(self, exc: BaseException) -> None:
         """Count an error (being handled); past the bound, raise it again as it was."""
         while self._errors and self._errors[0] <= self._steps - ERROR_WINDOW_STEPS:
@@ -114,8 +112,3 @@ class ResettingEnv(gym.Wrapper):
                         f"after an error (on_env_error='reset'); the last time {type(exc).__name__}: {exc}"
                     ) from exc
         self._broken = False
-
-
-def user_env(env: Any) -> Any:
-    """The env as its factory made it (inside :class:`ResettingEnv`, if wrapped)."""
-    return env.env if isinstance(env, ResettingEnv) else env

@@ -26,8 +26,9 @@ from gymnasium.vector.utils import batch_space, concatenate, create_empty_array
 
 from clusterenv.wire import shared_memory
 from clusterenv.wire.infos import InfoRecord
+from clusterenv.wire.layers import user_env
 from clusterenv.wire.leaves import leaf_arrays
-from clusterenv.worker.env_errors import ResettingEnv, user_env
+from clusterenv.worker.env_errors import ResettingEnv
 from clusterenv.worker.failures import EnvTracker, TrackedEnvs
 
 __all__ = ["RecordingVectorEnv", "build", "dumps", "install_registry", "learner_registry", "make_envs"]
