@@ -19,7 +19,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-__all__ = ["BurnEnv", "FrameReplayEnv", "NullEnv", "SleepEnv", "make_atari", "record_breakout"]
+__all__ = ["BurnEnv", "FrameReplayEnv", "NullEnv", "SleepEnv", "TracedBurnEnv", "make_atari", "record_breakout"]
 
 
 class BurnEnv(gym.Env):
@@ -140,3 +140,29 @@ class NullEnv(gym.Env):
 
     def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict]:
         return self._obs, 0.0, False, False, {}
+
+
+class TracedBurnEnv(BurnEnv):
+    """A ``BurnEnv`` that records when each of its steps started and ended (``time.monotonic_ns``, one clock per host).
+
+    On ``close`` it writes them to ``<trace_dir>/<pid>-<id>.npy`` as an ``(steps, 2)`` array, so
+    that a benchmark can line up, per batch step, when each worker began and finished its envs.
+    """
+
+    def __init__(self, trace_dir: str, step_cpu_ms: float = 1.0) -> None:
+        super().__init__(step_cpu_ms, episode_steps=10**9)
+        self.trace_dir = trace_dir
+        self._steps: list[tuple[int, int]] = []
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict]:
+        started = time.monotonic_ns()
+        result = super().step(action)
+        self._steps.append((started, time.monotonic_ns()))
+        return result
+
+    def close(self) -> None:
+        import os
+
+        if self._steps:
+            np.save(f"{self.trace_dir}/{os.getpid()}-{id(self)}.npy", np.array(self._steps, np.int64))
+            self._steps = []

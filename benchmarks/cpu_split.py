@@ -44,7 +44,7 @@ import tyro
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # workers import bench_envs from here
-from bench_envs import BurnEnv, SleepEnv, make_atari  # noqa: E402
+from bench_envs import BurnEnv, NullEnv, SleepEnv, make_atari  # noqa: E402
 from learner_cpu import _check, _frames, floor_worker, worker_router  # noqa: E402
 from report import command_line  # noqa: E402
 
@@ -81,6 +81,29 @@ CASES = {
     "burn16": Case(
         "BurnEnv (1 ms CPU) x16, 2 workers, lockstep", functools.partial(BurnEnv, step_cpu_ms=1.0), 16, 2, sync=True
     ),
+    # The many-core cells (benchmarks/manycore.py): 64 envs on one worker per core.
+    "burn64": Case(
+        f"BurnEnv (1 ms CPU) x64, {CORES} workers, lockstep",
+        functools.partial(BurnEnv, step_cpu_ms=1.0),
+        64,
+        CORES,
+        sync=True,
+    ),
+    "burn64-quarter": Case(
+        f"BurnEnv (1 ms CPU) x64, {CORES} workers, first-ready batches of 16",
+        functools.partial(BurnEnv, step_cpu_ms=1.0),
+        64,
+        CORES,
+        batch_size=16,
+    ),
+    "null64": Case(f"NullEnv x64, {CORES} workers, lockstep", NullEnv, 64, CORES),
+    "pong64": Case(
+        f"ALE/Pong-v5 x64, {CORES} workers, lockstep",
+        functools.partial(make_atari, "ALE/Pong-v5"),
+        64,
+        CORES,
+        sync=True,
+    ),
     "sleep16-quarter": Case(
         "SleepEnv (5 ms, sigma 0.5) x16, 16 workers, first-ready batches of 4",
         functools.partial(SleepEnv, 5.0, 0.5),
@@ -95,8 +118,8 @@ CASES = {
 
 @dataclasses.dataclass
 class Args:
-    cases: tuple[str, ...] = tuple(CASES)
-    """which cells: pong16, burn16, sleep16-quarter"""
+    cases: tuple[str, ...] = ("pong16", "burn16", "sleep16-quarter")
+    """which cells: pong16, burn16, sleep16-quarter; on many cores burn64, burn64-quarter, null64, pong64"""
     seconds: float = 6.0
     """measured seconds per run, after a warm-up"""
     repeats: int = 3

@@ -43,6 +43,7 @@ from bench_envs import BurnEnv, NullEnv, make_atari  # noqa: E402
 from report import command_line  # noqa: E402
 
 from clusterenv import ClusterEnv  # noqa: E402
+from clusterenv.launch.launchers import LocalLauncher  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 CORES = len(os.sched_getaffinity(0))
@@ -52,6 +53,7 @@ LABELS = {
     "async": "AsyncVectorEnv",
     "clusterenv": "ClusterEnv lockstep",
     "clusterenv_first_ready": "ClusterEnv first-ready",
+    "clusterenv_zmq": "ClusterEnv lockstep, workers on the ZeroMQ socket",
 }
 
 
@@ -73,6 +75,9 @@ class Args:
     """rounds; backends alternate within each, medians are reported"""
     workloads: tuple[str, ...] = ("burn1ms", "pong", "null")
     """which workloads to run"""
+    zmq_column: bool = False
+    """also ClusterEnv lockstep with its local workers on the learner's ZeroMQ socket instead of pipes
+    (``LocalLauncher(pipes=False)``): what the pipes change, in the same run"""
 
 
 def workload_env(name: str) -> Callable[[], gym.Env]:
@@ -90,7 +95,8 @@ def build(backend: str, env_fns: list, args: Args) -> Any:
         return gym.vector.SyncVectorEnv(env_fns)
     if backend == "async":
         return gym.vector.AsyncVectorEnv(env_fns, shared_memory=True)
-    envs = ClusterEnv(env_fns, num_workers=args.num_workers)
+    launcher = LocalLauncher(pipes=backend != "clusterenv_zmq")
+    envs = ClusterEnv(env_fns, num_workers=args.num_workers, launcher=launcher)
     if backend == "clusterenv_first_ready":
         envs.batch_size = round(args.num_envs * args.first_ready_fraction)
     return envs
@@ -140,7 +146,8 @@ def main(args: Args) -> None:
     if args.quick:
         args = dataclasses.replace(args, num_envs=16, num_workers=4, seconds=1.0, warmup_steps=3, repeats=1)
     runs: dict[str, dict[str, list[float]]] = {}
-    jobs = [(w, b) for _ in range(args.repeats) for w in args.workloads for b in BACKENDS]
+    backends = [*BACKENDS, *(["clusterenv_zmq"] if args.zmq_column else [])]
+    jobs = [(w, b) for _ in range(args.repeats) for w in args.workloads for b in backends]
     for workload, backend in tqdm(jobs, desc="manycore"):
         env_fns = [workload_env(workload)] * args.num_envs
         envs = build(backend, env_fns, args)
@@ -160,12 +167,12 @@ def main(args: Args) -> None:
         f"{round(args.num_envs * args.first_ready_fraction)}; env-steps/s, medians of {args.repeats} alternated runs "
         f"of {args.seconds:g} s; ratios to SyncVectorEnv and AsyncVectorEnv of the same run.",
         "",
-        "| cell | " + " | ".join(LABELS[b] for b in BACKENDS) + " | lockstep / Async | first-ready / Async |",
-        "|---|" + "---|" * (len(BACKENDS) + 2),
+        "| cell | " + " | ".join(LABELS[b] for b in backends) + " | lockstep / Async | first-ready / Async |",
+        "|---|" + "---|" * (len(backends) + 2),
     ]
     for cell, rates in cells.items():
         sync, async_ = rates["sync"], rates["async"]
-        shown = [f"{rates[b]:,.0f} ({rates[b] / sync:.2f}x)" for b in BACKENDS]
+        shown = [f"{rates[b]:,.0f} ({rates[b] / sync:.2f}x)" for b in backends]
         lines.append(
             f"| {cell} | {' | '.join(shown)} | {rates['clusterenv'] / async_:.2f}x | "
             f"{rates['clusterenv_first_ready'] / async_:.2f}x |"

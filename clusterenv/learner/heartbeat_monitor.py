@@ -164,7 +164,7 @@ class HeartbeatMonitor:
             self._bound.set()
             return
         # Before any worker connects: a worker connects once it has its INIT.
-        monitor = channel.monitor = channel.socket.get_monitor_socket(_LEARNER_EVENTS)
+        monitor = channel.monitor = channel.zmq_socket.get_monitor_socket(_LEARNER_EVENTS)
         channel.track_source = True
         self.endpoint = channel.endpoint
         wake = self._waker.open()

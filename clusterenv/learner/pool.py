@@ -131,6 +131,8 @@ class WorkerPool(Membership, Recovery):
         self._context = zmq.Context()
         self._channel = Channel.bind_router(self._context, bind, key, curve=curve, compression=compression)
         self.address = self._channel.endpoint
+        if isinstance(self.launcher, LocalLauncher) and self.launcher.pipes and not encrypt:
+            self.launcher.attach_pipe = self._channel.add_pipe  # its children talk over pipes (wire/pipes.py)
         try:
             self._monitor = HeartbeatMonitor(
                 self._context, heartbeat_address(bind) if bind else None, key, heartbeat, curve=curve
@@ -392,7 +394,7 @@ class WorkerPool(Membership, Recovery):
         deadline = time.monotonic() + grace
         # Also on terminate: workers this process cannot kill (external, remote) must hear it.
         # Without blocking: a frozen worker's full queue must not hang close().
-        self._channel.socket.setsockopt(zmq.SNDTIMEO, 0)
+        self._channel.zmq_socket.setsockopt(zmq.SNDTIMEO, 0)
         self.seq += 1
         for identity in self._peers:
             try:

@@ -34,6 +34,7 @@ import logging
 import os
 import secrets
 import shutil
+import socket as pysocket
 import time
 import weakref
 from collections.abc import Mapping, Sequence
@@ -49,6 +50,7 @@ from clusterenv.errors import ProtocolError
 from clusterenv.wire import codecs
 from clusterenv.wire.cleanup import scratch_dir
 from clusterenv.wire.messages import WelcomeMeta, check_meta
+from clusterenv.wire.pipes import LearnerPipes, Pipe
 from clusterenv.wire.protocol import (
     NONCE_BYTES,
     Kind,
@@ -214,7 +216,7 @@ class Channel:
             The learner's is its own choice (tcp only), a worker's the one the learner's WELCOME named.
     """
 
-    socket: zmq.Socket
+    socket: zmq.Socket | None  # None: a worker on a pipe (:attr:`pipe`)
     key: bytes
     cover_arrays: bool
     accept_joins: bool = True
@@ -235,6 +237,10 @@ class Channel:
     source_fd: int | None = field(default=None, repr=False)
     #: Where the socket's connection events are reported (``zmq.utils.monitor``), if asked for; closed with it.
     monitor: zmq.Socket | None = field(default=None, repr=False)
+    #: A worker started by its learner: the pipe it talks on instead of a socket (:mod:`clusterenv.wire.pipes`).
+    pipe: Pipe | None = field(default=None, repr=False)
+    #: The learner: its pipes to the workers it started, received from together with the socket.
+    pipes: LearnerPipes | None = field(default=None, repr=False)
 
     @classmethod
     def bind_router(
@@ -331,10 +337,38 @@ class Channel:
             monitor=events,
         )
 
+    @classmethod
+    def connect_pipe(
+        cls, fd: int, key: bytes, identity: bytes, *, max_message_bytes: int = MAX_MESSAGE_BYTES
+    ) -> Channel:
+        """A worker's channel on the pipe its learner gave it (file descriptor ``fd``, ``pipe://FD``).
+
+        Its first record names the worker's routing id, as a DEALER's identity does on ZeroMQ.
+        Nothing is compressed or MACed over arrays: only the learner and this process hold the pipe.
+        """
+        sock = pysocket.socket(fileno=fd)
+        os.set_inheritable(fd, False)  # env code that forks must not hold the learner's pipe
+        pipe = Pipe(sock, max_message_bytes, blocking=True)
+        pipe.identity = identity
+        pipe.write([identity])
+        return cls(None, key, cover_arrays=False, accept_joins=False, max_message_bytes=max_message_bytes, pipe=pipe)
+
+    def add_pipe(self, sock: pysocket.socket) -> None:
+        """Learner: take its end of the pipe to a worker it is starting (the worker joins over it)."""
+        if self.pipes is None:
+            self.pipes = LearnerPipes(self.zmq_socket, self.max_message_bytes)
+        self.pipes.add(sock)
+
+    @property
+    def zmq_socket(self) -> zmq.Socket:
+        """The ZeroMQ socket (every channel but a worker's on a pipe has one)."""
+        assert self.socket is not None, "a worker on a pipe has no socket"
+        return self.socket
+
     @property
     def endpoint(self) -> str:
         """The address actually bound (wildcard ports resolved)."""
-        return self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        return self.zmq_socket.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def heartbeat_session(self, peer: bytes | None = None) -> Session:
         """The heartbeat keys and counters agreed when ``peer`` (on a DEALER: the learner) joined."""
@@ -346,6 +380,8 @@ class Channel:
         """Drop a peer's keys: nothing it sends is accepted any more."""
         self.sessions.pop(peer, None)
         self._pending.pop(peer, None)
+        if self.pipes is not None:
+            self.pipes.drop(peer)
 
     def send(
         self,
@@ -376,7 +412,11 @@ class Channel:
         session = self.sessions.get(to)
         if session is None:
             raise ProtocolError(f"Cannot send {kind.name} to {to!r}: that peer has not joined.")
-        return self._encode(session, kind, meta, arrays, blobs)
+        return self._encode(session, kind, meta, arrays, blobs, to)
+
+    def _on_pipe(self, peer: bytes | None) -> bool:
+        """Whether the learner talks to ``peer`` over a pipe: nothing to compress, and its arrays need no MAC."""
+        return self.pipes is not None and peer in self.pipes
 
     def _encode(
         self,
@@ -385,6 +425,7 @@ class Channel:
         meta: Mapping[str, Any] | None,
         arrays: Sequence[np.ndarray],
         blobs: Sequence[bytes],
+        to: bytes | None,
     ) -> list[Any]:
         session.sent += 1
         return pack(
@@ -394,8 +435,8 @@ class Channel:
             blobs,
             key=session.send_key,
             counter=session.sent,
-            cover_arrays=self.cover_arrays,
-            compression=self.compression,
+            cover_arrays=self.cover_arrays and not self._on_pipe(to),
+            compression=None if self._on_pipe(to) else self.compression,
         )
 
     def _send(
@@ -407,11 +448,17 @@ class Channel:
         blobs: Sequence[bytes],
         to: bytes | None,
     ) -> None:
-        self.send_frames(self._encode(session, kind, meta, arrays, blobs), to=to)
+        self.send_frames(self._encode(session, kind, meta, arrays, blobs, to), to=to)
 
     def send_frames(self, frames: list[Any], *, to: bytes | None = None) -> None:
         """Send a message encoded by :meth:`frames` (to ``to`` on a ROUTER)."""
-        socket = self.socket
+        if self.pipe is not None:
+            self.pipe.write(frames)
+            return
+        if self.pipes is not None and to is not None and to in self.pipes:
+            self.pipes.send(to, frames)
+            return
+        socket = self.zmq_socket
         if to is not None:
             socket.send(to, zmq.SNDMORE)
         if len(frames) == 1:
@@ -438,14 +485,10 @@ class Channel:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            frames = self._recv_frames(-1 if remaining is None else int(remaining * 1000))
-            if frames is None:
+            received = self._recv_frames(-1 if remaining is None else int(remaining * 1000), routed)
+            if received is None:
                 return None
-            sender = None
-            if routed:
-                if self.track_source:
-                    self.source_fd = frames[0].get(zmq.SRCFD)
-                sender, frames = frames[0].bytes, frames[1:]
+            sender, frames = received
             session = self.sessions.get(sender)
             try:
                 # Sizes first, from the frames' lengths: nothing is copied or parsed before the MAC.
@@ -462,7 +505,9 @@ class Channel:
                     if hello is not None:
                         return sender, hello
                 else:
-                    counter, n_arrays = verify(frames, key=session.recv_key, cover_arrays=self.cover_arrays)
+                    counter, n_arrays = verify(
+                        frames, key=session.recv_key, cover_arrays=self.cover_arrays and not self._on_pipe(sender)
+                    )
                     if counter <= session.received:
                         raise ProtocolError(
                             f"Message counter {counter} is not above the last one received ({session.received}): "
@@ -480,7 +525,9 @@ class Channel:
         if sender is not None and sender in self._pending:  # the learner awaits this peer's JOIN
             session, hello = self._pending[sender]
             try:
-                counter, n_arrays = verify(frames, key=session.recv_key, cover_arrays=self.cover_arrays)
+                counter, n_arrays = verify(
+                    frames, key=session.recv_key, cover_arrays=self.cover_arrays and not self._on_pipe(sender)
+                )
             except ProtocolError:
                 pass  # not the JOIN: maybe a new HELLO, checked below
             else:
@@ -492,7 +539,9 @@ class Channel:
                 return hello
         if not self.accept_joins and self._hello_nonce is None:
             raise ProtocolError("The peer has not joined.")
-        _, n_arrays = verify(frames, key=self._hello_session().recv_key, cover_arrays=self.cover_arrays)
+        _, n_arrays = verify(
+            frames, key=self._hello_session().recv_key, cover_arrays=self.cover_arrays and not self._on_pipe(sender)
+        )
         msg = _decoded(frames, n_arrays, PRE_JOIN_BYTES)
         if sender is None:  # a worker: the learner's WELCOME
             nonce = msg.meta.get("nonce")
@@ -506,7 +555,7 @@ class Channel:
                 compression = codecs.check_codec(msg.meta["compression"])
             except ValueError as exc:
                 raise ProtocolError(f"WELCOME names an unknown codec: {exc}") from None
-            identity = self.socket.getsockopt(zmq.IDENTITY)
+            identity = self.pipe.identity if self.pipe is not None else self.zmq_socket.getsockopt(zmq.IDENTITY)
             assert isinstance(identity, bytes)
             _, session = session_pair(self.key, self._hello_nonce, nonce, identity)
             self.sessions[None], self._hello_nonce, self.compression = session, None, compression
@@ -526,20 +575,27 @@ class Channel:
         hello = Message(msg.kind, {key: value for key, value in msg.meta.items() if key != "nonce"})
         self._pending[sender] = (session, hello)
         try:
-            welcome = WelcomeMeta(nonce=learner_nonce, echo=nonce, compression=self.compression)
+            compression = None if self._on_pipe(sender) else self.compression
+            welcome = WelcomeMeta(nonce=learner_nonce, echo=nonce, compression=compression)
             self._send(self._hello_session(), Kind.WELCOME, welcome, (), (), sender)
         except zmq.ZMQError:
             del self._pending[sender]  # gone already
         return None
 
-    def _recv_frames(self, timeout_ms: int) -> list[zmq.Frame] | None:
-        """The frames of one message, or ``None`` after ``timeout_ms`` (-1: wait forever).
+    def _recv_frames(self, timeout_ms: int, routed: bool) -> tuple[bytes | None, list[Any]] | None:
+        """``(sender, frames)`` of one message (sender ``None`` unless ``routed``), or ``None`` after ``timeout_ms`` (-1: forever).
 
         A blocking receive under ``RCVTIMEO`` costs one call where poll-then-receive costs
         two, and uncopied frames (read through ``.more``) avoid ``recv_multipart``'s
-        per-frame option lookups; parsing copies what it keeps out of them.
+        per-frame option lookups; parsing copies what it keeps out of them. A learner with
+        pipes polls them and the socket together; a worker on a pipe reads only that.
         """
-        socket = self.socket
+        if self.pipe is not None:
+            record = self.pipe.read(timeout_ms)
+            return None if record is None else (None, record)
+        if self.pipes:
+            return self.pipes.recv(timeout_ms)
+        socket = self.zmq_socket
         if timeout_ms != self._rcvtimeo:
             socket.setsockopt(zmq.RCVTIMEO, timeout_ms)
             self._rcvtimeo = timeout_ms
@@ -547,14 +603,24 @@ class Channel:
             frame = socket.recv(copy=False)
         except zmq.Again:
             return None
-        frames = [frame]
+        frames: list[Any] = [frame]
         while frame.more:  # the rest of a multipart message has arrived with its first frame
             frame = socket.recv(copy=False)
             frames.append(frame)
-        return frames
+        if not routed:
+            return None, frames
+        if self.track_source:
+            self.source_fd = frames[0].get(zmq.SRCFD)
+        return frames[0].bytes, frames[1:]
 
     def close(self, linger: int = 0) -> None:
-        """Close the socket (keeping unsent messages up to ``linger`` ms) and remove the private ipc directory."""
+        """Close the socket (keeping unsent messages up to ``linger`` ms), the pipes, and the private ipc directory."""
+        if self.pipe is not None:
+            self.pipe.close()
+        if self.pipes is not None:
+            self.pipes.close()
+        if self.socket is None:
+            return
         if self.monitor is not None:
             self.socket.disable_monitor()
             self.monitor.close(linger=0)

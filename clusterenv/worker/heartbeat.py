@@ -158,7 +158,7 @@ class HeartbeatClient:
                 delay = min(2 * delay, config.reconnect_max)
         finally:
             self._waker.close()
-            if not channel.socket.closed:
+            if not channel.zmq_socket.closed:
                 channel.close()
 
     def _give_up(self, reason: str) -> None:

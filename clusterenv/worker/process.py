@@ -23,6 +23,7 @@ import zmq
 from clusterenv.wire.cleanup import remove_stale_dirs
 from clusterenv.wire.liveness import LEARNER_LOST_EXIT_CODE, Heartbeat
 from clusterenv.wire.messages import HelloMeta, InitMeta, meta_of
+from clusterenv.wire.pipes import PipeClosed
 from clusterenv.wire.protocol import Kind, Message
 from clusterenv.wire.transport import SECRET_ENV_VAR, Channel, Curve, new_identity, resolve_secret
 from clusterenv.worker.commands import Mailbox, Worker
@@ -37,6 +38,8 @@ __all__ = ["main", "serve"]
 
 logger = logging.getLogger(__name__)
 
+#: ``--connect pipe://FD``: a pipe inherited from the learner (local workers; :mod:`clusterenv.wire.pipes`).
+PIPE_SCHEME = "pipe://"
 # How often an idle worker wakes up to check that its learner still exists.
 IDLE_CHECK_INTERVAL_S = 0.5
 # Lets the last reply (CLOSED) leave before the socket goes; bounded for a learner that is gone.
@@ -96,7 +99,10 @@ def serve(
     context = zmq.Context()
     identity = new_identity(worker_id)
     curve = Curve.from_secret(key) if encrypt else None
-    channel = Channel.connect_dealer(context, address, key, identity, curve=curve)
+    if address.startswith(PIPE_SCHEME):  # a pipe from the learner that started this process
+        channel = Channel.connect_pipe(int(address.removeprefix(PIPE_SCHEME)), key, identity)
+    else:
+        channel = Channel.connect_dealer(context, address, key, identity, curve=curve)
 
     def make_worker(slot: int) -> Worker:
         worker = Worker(slot, procs)
@@ -155,6 +161,9 @@ def serve(
                 reply = _error_reply(worker, exc)
             if reply is not None:
                 mailbox.send(reply, worker)
+    except PipeClosed:
+        logger.warning("Worker %d: the learner closed its pipe; exiting.", own.worker_id)
+        return _learner_lost(mailbox)
     finally:
         for worker in mailbox.workers:
             worker.terminate()  # after a CLOSE there is nothing left to end
@@ -167,7 +176,9 @@ def serve(
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point (``clusterenv-worker``)."""
     parser = argparse.ArgumentParser(description="Serve clusterenv environments to a learner.")
-    parser.add_argument("--connect", required=True, help="learner address, e.g. tcp://10.0.0.1:5555")
+    parser.add_argument(
+        "--connect", required=True, help="learner address, e.g. tcp://10.0.0.1:5555 (pipe://FD: started by the learner)"
+    )
     slurm_id = os.environ.get("SLURM_PROCID")
     parser.add_argument(
         "--worker-id",

@@ -1,0 +1,352 @@
+"""Direct pipes between the learner and the worker processes it starts on its own host.
+
+ZeroMQ moves every message through an I/O thread at each end: a command wakes the learner's
+I/O thread, then the worker's, then the worker's main thread; a reply the same way back.
+When every core is busy stepping envs, each of those wake-ups waits for a core, and on a
+16-core host that staggered the workers' starts by up to 3 ms per batch step (measured:
+``benchmarks/timeline.py``). A worker the learner starts itself can instead hold one end of
+a Unix socket pair: the worker's main thread reads its commands and writes its replies
+itself, and the learner reads the replies in its own thread, so nothing waits for a third
+thread to be scheduled.
+
+The messages are the same as on ZeroMQ (joins, sessions, counters, MACs): a pipe only
+carries them, each as one record ``[frame count: u32][body bytes: u64][frame lengths: u64...]
+[frames...]``. Only the learner and the child it started hold the pair.
+
+The learner's ends never block: what the kernel does not take at once waits in order and
+leaves while the learner receives (as in a ZeroMQ socket's queue), so that a worker writing
+a large reply while the learner writes a large command to it cannot deadlock them, and a
+frozen worker cannot hang the learner. Receiving polls the ZeroMQ socket and every pipe at
+once. A worker's end blocks: a worker only ever waits for its learner, which always reads.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import select
+import socket
+import struct
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+__all__ = ["LearnerPipes", "Pipe", "PipeClosed", "pipe_pair"]
+
+logger = logging.getLogger(__name__)
+
+_PREFIX = struct.Struct("<IQ")  # frame count, body bytes (lengths table + frames)
+_LENGTH = struct.Struct("<Q")
+_MAX_FRAMES = 1 << 16
+_READ_CHUNK = 1 << 18
+# Bigger kernel buffers let a reply or command of a few hundred KB leave without waiting for
+# the reader; the kernel caps them at net.core.wmem_max / rmem_max.
+_SOCKET_BUFFER_BYTES = 4 << 20
+# Buffers per sendmsg call (the kernel's IOV_MAX is 1024).
+_MAX_IOV = 512
+# ZeroMQ messages taken per poll before the pipes get their turn again.
+_MAX_ZMQ_PER_POLL = 64
+
+
+def pipe_pair() -> tuple[socket.socket, socket.socket]:
+    """A connected pair of Unix stream sockets: the learner's end and the child's (neither inheritable)."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    for end in (ours, theirs):
+        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            end.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER_BYTES)
+    return ours, theirs
+
+
+def _record(frames: Sequence[Any]) -> list[Any]:
+    """The buffers of one record (see the module docstring)."""
+    lengths = [memoryview(frame).nbytes for frame in frames]
+    table = struct.pack(f"<{len(lengths)}Q", *lengths)
+    return [_PREFIX.pack(len(frames), len(table) + sum(lengths)), table, *frames]
+
+
+def _advance(buffers: list[Any], sent: int) -> list[Any]:
+    """What remains of ``buffers`` after the first ``sent`` bytes left."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    while views and sent >= views[0].nbytes:
+        sent -= views[0].nbytes
+        views.pop(0)
+    if views and sent:
+        views[0] = views[0][sent:]
+    return views
+
+
+class PipeClosed(ConnectionError):
+    """The other end of a pipe is gone."""
+
+
+class Pipe:
+    """One end of a pipe: whole records in, whole records out.
+
+    Args:
+        sock: a connected Unix stream socket.
+        max_record_bytes: the largest record accepted; a larger announcement closes the pipe
+            before anything is allocated for it.
+        blocking: a worker's end blocks; the learner's never does.
+    """
+
+    def __init__(self, sock: socket.socket, max_record_bytes: int, *, blocking: bool) -> None:
+        self.sock = sock
+        self.sock.setblocking(blocking)
+        self.fd = sock.fileno()
+        self.max_record_bytes = max_record_bytes
+        self.closed = False
+        #: The peer's routing id: the first record a worker sends (learner's ends; ``None`` until then).
+        self.identity: bytes | None = None
+        self._buffer = bytearray()
+        self._unsent: list[Any] = []
+
+    # -- reading ---------------------------------------------------------------------------
+    def _next_record(self) -> list[memoryview] | None:
+        """The first complete record in the buffer, as read-only views of one copy; ``None`` if incomplete."""
+        buffer = self._buffer
+        if len(buffer) < _PREFIX.size:
+            return None
+        count, body = _PREFIX.unpack_from(buffer)
+        if count > _MAX_FRAMES or body > self.max_record_bytes or body < 8 * count:
+            self.close()
+            raise PipeClosed(f"A pipe record announced {count} frames in {body} bytes; the pipe was closed.")
+        end = _PREFIX.size + body
+        if len(buffer) < end:
+            return None
+        data = memoryview(bytes(buffer[_PREFIX.size : end]))
+        del buffer[:end]
+        lengths = struct.unpack_from(f"<{count}Q", data)
+        frames, position = [], 8 * count
+        for length in lengths:
+            frames.append(data[position : position + length])
+            position += length
+        if position != body:
+            self.close()
+            raise PipeClosed("A pipe record's frame lengths do not add up to its size; the pipe was closed.")
+        return frames
+
+    def _fill(self) -> bool:
+        """Read what has arrived (blocking ends: wait for something); ``False`` if nothing could be read."""
+        try:
+            chunk = self.sock.recv(max(_READ_CHUNK, self._missing()))
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self.close()
+            raise PipeClosed("The other end of the pipe closed it.")
+        self._buffer += chunk
+        return True
+
+    def _missing(self) -> int:
+        """Bytes still to come for the record being read (0 if its size is not known yet)."""
+        if len(self._buffer) < _PREFIX.size:
+            return 0
+        _, body = _PREFIX.unpack_from(self._buffer)
+        return min(body, self.max_record_bytes) + _PREFIX.size - len(self._buffer)
+
+    def read_available(self) -> list[list[memoryview]]:
+        """Every complete record that has arrived (non-blocking ends), without waiting."""
+        records = []
+        while True:
+            record = self._next_record()
+            if record is not None:
+                records.append(record)
+                continue
+            if not self._fill():
+                return records
+
+    def read(self, timeout_ms: int) -> list[memoryview] | None:
+        """The next record, waiting up to ``timeout_ms`` (-1: forever); ``None`` on time-out (blocking ends)."""
+        deadline = None if timeout_ms < 0 else time.monotonic() + timeout_ms / 1000
+        while True:
+            record = self._next_record()
+            if record is not None:
+                return record
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if remaining == 0.0 or not select.select([self.fd], [], [], remaining)[0]:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
+                continue
+            self._fill()
+
+    # -- writing ---------------------------------------------------------------------------
+    @property
+    def pending(self) -> bool:
+        """Whether bytes wait to be written (non-blocking ends)."""
+        return bool(self._unsent)
+
+    def write(self, frames: Sequence[Any]) -> None:
+        """Send one record.
+
+        A blocking end waits until it is written; a non-blocking end keeps what the kernel does
+        not take yet, in order, for :meth:`flush` (as a ZeroMQ socket's queue does).
+        """
+        buffers = _record(frames)
+        if self._unsent:
+            self._unsent += buffers
+            self.flush()
+            return
+        while True:
+            try:
+                sent = self.sock.sendmsg(buffers)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                self.close()
+                raise PipeClosed(f"The other end of the pipe is gone ({exc}).") from None
+            buffers = _advance(buffers, sent)
+            if not buffers:
+                return
+            if not self.sock.getblocking():
+                self._unsent = buffers
+                return
+
+    def flush(self) -> None:
+        """Write what the kernel takes now of what waits (non-blocking ends)."""
+        while self._unsent:
+            try:
+                sent = self.sock.sendmsg(self._unsent[:_MAX_IOV])
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self.close()
+                raise PipeClosed(f"The other end of the pipe is gone ({exc}).") from None
+            self._unsent = _advance(self._unsent, sent)
+
+    def close(self) -> None:
+        """Close this end; the peer reads the end of the stream."""
+        self.closed = True
+        self._unsent = []
+        self.sock.close()
+
+
+class LearnerPipes:
+    """The learner's pipes to its local workers, received from together with its ZeroMQ socket.
+
+    Records from pipes come out as ``(routing id, frames)``, as ROUTER messages do; a pipe's
+    first record is its worker's routing id, which routes the learner's messages back to it.
+    """
+
+    def __init__(self, zmq_socket: zmq.Socket, max_record_bytes: int) -> None:
+        self._zmq_socket = zmq_socket
+        self.max_record_bytes = max_record_bytes
+        self._by_fd: dict[int, Pipe] = {}
+        self._by_identity: dict[bytes, Pipe] = {}
+        self._inbox: collections.deque[tuple[bytes, list[Any]]] = collections.deque()
+        self._poller = zmq.Poller()
+        self._poller.register(zmq_socket, zmq.POLLIN)
+
+    def __bool__(self) -> bool:
+        return bool(self._by_fd)
+
+    def __contains__(self, identity: object) -> bool:
+        return identity in self._by_identity
+
+    def add(self, sock: socket.socket) -> None:
+        """Take the learner's end of a pipe to a worker about to start."""
+        pipe = Pipe(sock, self.max_record_bytes, blocking=False)
+        self._by_fd[pipe.fd] = pipe
+        self._poller.register(pipe.fd, zmq.POLLIN)
+
+    def drop(self, identity: bytes) -> None:
+        """Close the pipe to that worker process, if it has one."""
+        pipe = self._by_identity.pop(identity, None)
+        if pipe is not None:
+            self._remove(pipe)
+
+    def _remove(self, pipe: Pipe) -> None:
+        if self._by_fd.pop(pipe.fd, None) is not None:
+            self._poller.unregister(pipe.fd)
+        if pipe.identity is not None and self._by_identity.get(pipe.identity) is pipe:
+            del self._by_identity[pipe.identity]
+        if not pipe.closed:
+            pipe.close()
+
+    def close(self) -> None:
+        """Close every pipe."""
+        for pipe in list(self._by_fd.values()):
+            self._remove(pipe)
+
+    def send(self, identity: bytes, frames: Sequence[Any]) -> None:
+        """Send to the worker process ``identity`` without blocking (what waits leaves while receiving).
+
+        A pipe that is gone raises ``zmq.ZMQError(EHOSTUNREACH)``, as a ROUTER_MANDATORY socket does.
+        """
+        pipe = self._by_identity[identity]
+        waited = pipe.pending
+        try:
+            pipe.write(frames)
+        except PipeClosed:
+            self._remove(pipe)
+            raise zmq.ZMQError(errno.EHOSTUNREACH, f"the pipe to {identity!r} is closed") from None
+        if pipe.pending and not waited:
+            self._poller.modify(pipe.fd, zmq.POLLIN | zmq.POLLOUT)
+
+    def _flush(self, pipe: Pipe) -> None:
+        try:
+            pipe.flush()
+        except PipeClosed as exc:
+            logger.debug("%s (worker %r)", exc, pipe.identity)
+            self._remove(pipe)
+            return
+        if not pipe.pending:
+            self._poller.modify(pipe.fd, zmq.POLLIN)
+
+    def _read(self, pipe: Pipe) -> None:
+        try:
+            records = pipe.read_available()
+        except PipeClosed as exc:
+            logger.debug("%s (worker %r)", exc, pipe.identity)
+            self._remove(pipe)
+            return
+        for frames in records:
+            if pipe.identity is None:
+                self._name(pipe, frames)
+            else:
+                self._inbox.append((pipe.identity, frames))
+
+    def _name(self, pipe: Pipe, frames: list[memoryview]) -> None:
+        identity = bytes(frames[0]) if len(frames) == 1 else b""
+        if not 0 < len(identity) <= 255 or identity in self._by_identity:
+            logger.warning("A local worker's pipe opened with an invalid routing id; it was closed.")
+            self._remove(pipe)
+            return
+        pipe.identity = identity
+        self._by_identity[identity] = pipe
+
+    def recv(self, timeout_ms: int) -> tuple[bytes, list[Any]] | None:
+        """The next message from a pipe or from the ZeroMQ socket within ``timeout_ms`` (-1: forever)."""
+        deadline = None if timeout_ms < 0 else time.monotonic() + timeout_ms / 1000
+        while not self._inbox:
+            remaining = -1 if deadline is None else max(0, round((deadline - time.monotonic()) * 1000))
+            events = self._poller.poll(remaining)
+            for source, event in events:
+                if source is self._zmq_socket:
+                    self._take_zmq()
+                elif source in self._by_fd:
+                    pipe = self._by_fd[source]
+                    if event & zmq.POLLOUT:
+                        self._flush(pipe)
+                    if event & (zmq.POLLIN | zmq.POLLERR) and not pipe.closed:
+                        self._read(pipe)
+            if not self._inbox and deadline is not None and time.monotonic() >= deadline:
+                return None
+        return self._inbox.popleft()
+
+    def _take_zmq(self) -> None:
+        socket_ = self._zmq_socket
+        for _ in range(_MAX_ZMQ_PER_POLL):
+            try:
+                frame = socket_.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            frames = [frame]
+            while frame.more:
+                frame = socket_.recv(copy=False)
+                frames.append(frame)
+            self._inbox.append((frames[0].bytes, frames[1:]))

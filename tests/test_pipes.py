@@ -1,0 +1,117 @@
+"""Local workers on pipes: the same results as on the ZeroMQ socket, large messages both ways, and no hang."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import signal
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+import zmq
+from gymnasium.vector import SyncVectorEnv
+
+from clusterenv import ClusterEnv, WorkerLostError, WorkerTimeoutError
+from clusterenv.launch.launchers import LocalLauncher
+from clusterenv.wire.pipes import LearnerPipes, Pipe, PipeClosed, pipe_pair
+from tests.conftest import assert_same
+from tests.envs import SpriteEnv
+
+MB = 1 << 20
+
+
+def run_both(envs, reference, steps: int) -> None:
+    assert_same(envs.reset(seed=3), reference.reset(seed=3))
+    rng = np.random.default_rng(0)
+    for _ in range(steps):
+        actions = rng.integers(0, 4, envs.num_envs)
+        assert_same(envs.step(actions), reference.step(actions))
+
+
+@pytest.mark.parametrize("pipes", [True, False], ids=["pipes", "zmq"])
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shared", "frames"])
+def test_local_workers_give_what_sync_gives_on_pipes_and_on_the_socket(pipes, shared_memory):
+    """Replies of ~1 MB per worker (64x 96x96x3 frames without shared memory) outgrow the pipe's buffer."""
+    fns = [functools.partial(SpriteEnv, 96)] * 8
+    with ClusterEnv(fns, num_workers=2, launcher=LocalLauncher(pipes=pipes), shared_memory=shared_memory) as envs:
+        assert bool(envs.pool._channel.pipes) is pipes
+        run_both(envs, SyncVectorEnv(fns), 40)
+
+
+def test_a_large_command_and_a_large_reply_crossing_do_not_wait_on_each_other():
+    """The learner's end never blocks: what the kernel does not take waits until the learner reads."""
+    ours, theirs = pipe_pair()
+    context = zmq.Context()
+    learner = LearnerPipes(context.socket(zmq.PULL), 64 * MB)  # no ZeroMQ peer: only the pipe speaks
+    learner.add(ours)
+    worker = Pipe(theirs, 64 * MB, blocking=True)
+    worker.write([b"worker-0"])  # its routing id
+    command, reply = np.arange(4 * MB, dtype=np.uint64), np.arange(3 * MB, dtype=np.uint32)
+    received = {}
+
+    def worker_side() -> None:
+        worker.write([b"header", memoryview(reply)])  # blocks until the learner reads it
+        received["command"] = worker.read(10_000)
+
+    assert learner.recv(200) is None  # takes the routing id, which is no message
+    thread = threading.Thread(target=worker_side, daemon=True)
+    thread.start()
+    learner.send(b"worker-0", [b"header", memoryview(command)])  # returns at once, most of it queued
+    identity, frames = learner.recv(10_000)
+    assert identity == b"worker-0" and bytes(frames[0]) == b"header"
+    assert np.array_equal(np.frombuffer(frames[1], np.uint32), reply)
+    deadline = time.monotonic() + 10
+    while thread.is_alive() and time.monotonic() < deadline:
+        learner.recv(50)  # flushes the queued command while waiting
+    thread.join(1)
+    assert not thread.is_alive(), "the worker never received the learner's command"
+    assert np.array_equal(np.frombuffer(received["command"][1], np.uint64), command)
+    learner.close()
+    worker.close()
+    context.destroy(linger=0)
+
+
+def test_a_record_announcing_more_than_the_limit_closes_the_pipe_before_allocating():
+    ours, theirs = pipe_pair()
+    reader = Pipe(ours, max_record_bytes=MB, blocking=True)
+    theirs.sendall(np.array([1], "<u4").tobytes() + np.array([1 << 40], "<u8").tobytes())
+    with pytest.raises(PipeClosed, match="announced"):
+        reader.read(5_000)
+    theirs.close()
+
+
+def test_a_worker_whose_learner_is_gone_reads_a_closed_pipe():
+    ours, theirs = pipe_pair()
+    worker = Pipe(theirs, MB, blocking=True)
+    ours.close()
+    with pytest.raises(PipeClosed):
+        worker.read(5_000)
+
+
+def test_a_frozen_worker_cannot_hang_the_learner_with_a_large_command():
+    """The command waits in the learner's queue; the step times out as on the socket."""
+    fns = [functools.partial(SpriteEnv, 96)] * 2
+    with ClusterEnv(fns, num_workers=2, timeout=2.0) as envs:
+        envs.reset(seed=0)
+        frozen = envs.worker_info[1]["pid"]
+        os.kill(frozen, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises((WorkerTimeoutError, WorkerLostError)):
+                envs.call("set_wrapper_attr", "payload", np.zeros(16 * MB, np.uint8))  # ~16 MB to each worker
+            assert time.monotonic() - started < 30
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # closing after the error killed it
+                os.kill(frozen, signal.SIGCONT)
+
+
+def test_pipes_are_not_inherited_by_what_env_code_starts():
+    ours, theirs = pipe_pair()
+    assert not os.get_inheritable(ours.fileno()) and not os.get_inheritable(theirs.fileno())
+    assert isinstance(ours, socket.socket)
+    ours.close()
+    theirs.close()
