@@ -53,7 +53,7 @@ LABELS = {
     "async": "AsyncVectorEnv",
     "clusterenv": "ClusterEnv lockstep",
     "clusterenv_first_ready": "ClusterEnv first-ready",
-    "clusterenv_zmq": "ClusterEnv lockstep, workers on the ZeroMQ socket",
+    "clusterenv_zmq": "ClusterEnv lockstep, workers on ZeroMQ, no batch scheduling",
 }
 
 
@@ -76,8 +76,8 @@ class Args:
     workloads: tuple[str, ...] = ("burn1ms", "pong", "null")
     """which workloads to run"""
     zmq_column: bool = False
-    """also ClusterEnv lockstep with its local workers on the learner's ZeroMQ socket instead of pipes
-    (``LocalLauncher(pipes=False)``): what the pipes change, in the same run"""
+    """also ClusterEnv lockstep as it started local workers before pipes and batch scheduling
+    (``LocalLauncher(pipes=False, batch_scheduling=False)``): what they change, in the same run"""
 
 
 def workload_env(name: str) -> Callable[[], gym.Env]:
@@ -95,7 +95,8 @@ def build(backend: str, env_fns: list, args: Args) -> Any:
         return gym.vector.SyncVectorEnv(env_fns)
     if backend == "async":
         return gym.vector.AsyncVectorEnv(env_fns, shared_memory=True)
-    launcher = LocalLauncher(pipes=backend != "clusterenv_zmq")
+    before = backend == "clusterenv_zmq"  # workers on the ZeroMQ socket, scheduled as any process
+    launcher = LocalLauncher(pipes=not before, batch_scheduling=not before)
     envs = ClusterEnv(env_fns, num_workers=args.num_workers, launcher=launcher)
     if backend == "clusterenv_first_ready":
         envs.batch_size = round(args.num_envs * args.first_ready_fraction)

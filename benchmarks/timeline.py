@@ -61,10 +61,13 @@ class Args:
     step_cpu_ms: float = 1.0
     seconds: float = 3.0
     """timed seconds per run"""
-    configs: tuple[str, ...] = ("async", "clusterenv", "clusterenv-zmq", "clusterenv-minus1", "clusterenv-procs4")
-    """timeline backends: async, clusterenv (one worker per core, on pipes), clusterenv-zmq (the same on the
-    learner's ZeroMQ socket), clusterenv-minus1 (one core left to the learner), clusterenv-procs4 (a quarter
-    of the workers, 4 env processes each)"""
+    configs: tuple[str, ...] = ("async", "clusterenv", "clusterenv-pipes", "clusterenv-zmq")
+    """timeline backends: async; clusterenv (one worker per core, as it starts them by default); clusterenv-pipes
+    (workers scheduled as any process, ``LocalLauncher(batch_scheduling=False)``); clusterenv-zmq (that, on the
+    learner's ZeroMQ socket instead of pipes); clusterenv-minus1 (one core left to the learner);
+    clusterenv-procs4 (a quarter of the workers, 4 env processes each)"""
+    repeats: int = 1
+    """rounds of the timeline configs, alternated; medians"""
     floors: bool = True
     """also run the transport floors"""
 
@@ -75,8 +78,12 @@ def build(config: str, env_fns: list[Callable[[], gym.Env]], args: Args) -> Any:
         return gym.vector.AsyncVectorEnv(env_fns, shared_memory=True)
     if config == "clusterenv":
         return ClusterEnv(env_fns, num_workers=args.num_workers)
-    if config == "clusterenv-zmq":
-        return ClusterEnv(env_fns, num_workers=args.num_workers, launcher=LocalLauncher(pipes=False))
+    if config == "clusterenv-zmq":  # before the pipes
+        return ClusterEnv(
+            env_fns, num_workers=args.num_workers, launcher=LocalLauncher(pipes=False, batch_scheduling=False)
+        )
+    if config == "clusterenv-pipes":  # pipes, workers scheduled as any process
+        return ClusterEnv(env_fns, num_workers=args.num_workers, launcher=LocalLauncher(batch_scheduling=False))
     if config == "clusterenv-minus1":
         return ClusterEnv(env_fns, num_workers=args.num_workers - 1)
     if config == "clusterenv-procs4":
@@ -214,9 +221,12 @@ def main(args: Args) -> None:
     if args.quick:
         args = dataclasses.replace(args, num_envs=16, num_workers=4, seconds=1.0)
     results: dict[str, Any] = {"timeline": {}, "floors": {}}
-    for config in args.configs:
-        results["timeline"][config] = row = timeline(config, args)
+    for config in args.configs * args.repeats:
+        row = timeline(config, args)
+        results.setdefault("runs", {}).setdefault(config, []).append(row)
         print(config, {k: round(v) for k, v in row.items()}, flush=True)
+    for config, rows in results["runs"].items():
+        results["timeline"][config] = {k: float(np.median([r[k] for r in rows])) for k in rows[0]}
     if args.floors:
         burn_s = args.num_envs / args.num_workers * args.step_cpu_ms / 1000
         for name, floor in (("zmq ipc", floor_zmq), ("pipes", floor_pipes)):

@@ -14,11 +14,13 @@ import numpy as np
 import pytest
 import zmq
 from gymnasium.vector import SyncVectorEnv
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from clusterenv import ClusterEnv, WorkerLostError, WorkerTimeoutError
 from clusterenv.launch.launchers import LocalLauncher
 from clusterenv.wire.pipes import LearnerPipes, Pipe, PipeClosed, pipe_pair
-from tests.conftest import assert_same
+from tests.conftest import assert_same, child_pids
 from tests.envs import SpriteEnv
 
 MB = 1 << 20
@@ -115,3 +117,71 @@ def test_pipes_are_not_inherited_by_what_env_code_starts():
     assert isinstance(ours, socket.socket)
     ours.close()
     theirs.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+@pytest.mark.parametrize("batch_scheduling", [True, False])
+def test_local_workers_and_their_env_processes_are_batch_scheduled_unless_asked_otherwise(batch_scheduling):
+    launcher = LocalLauncher(batch_scheduling=batch_scheduling)
+    with ClusterEnv(
+        [functools.partial(SpriteEnv, 16)] * 4, num_workers=2, procs_per_worker=2, launcher=launcher
+    ) as envs:
+        workers = [info["pid"] for info in envs.worker_info]
+        env_processes = [pid for worker in workers for pid in child_pids(worker)]
+        assert len(env_processes) == 4
+        expected = os.SCHED_BATCH if batch_scheduling else os.SCHED_OTHER
+        assert [os.sched_getscheduler(pid) for pid in workers + env_processes] == [expected] * 6
+
+
+def test_encrypted_learners_keep_local_workers_on_the_encrypted_socket():
+    with ClusterEnv([functools.partial(SpriteEnv, 16)] * 2, num_workers=2, encrypt=True) as envs:
+        assert envs.pool._channel.pipes is None
+        run_both(envs, SyncVectorEnv([functools.partial(SpriteEnv, 16)] * 2), 5)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(st.binary(max_size=3000), min_size=1, max_size=5), min_size=1, max_size=6))
+def test_records_arrive_whole_and_in_order(records):
+    ours, theirs = pipe_pair()
+    writer, reader = Pipe(ours, MB, blocking=True), Pipe(theirs, MB, blocking=True)
+    try:
+        for frames in records:
+            writer.write(frames)
+        assert [[bytes(f) for f in reader.read(5_000)] for _ in records] == records
+        assert reader.read(0) is None
+    finally:
+        writer.close()
+        reader.close()
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.binary(min_size=1, max_size=200))
+def test_garbage_on_a_pipe_is_refused_or_waited_for_never_misread(garbage):
+    """A record is returned only when its table adds up; anything else closes the pipe or waits for more."""
+    ours, theirs = pipe_pair()
+    reader = Pipe(theirs, 4096, blocking=True)
+    try:
+        ours.sendall(garbage)
+        try:
+            record = reader.read(0)
+        except PipeClosed:
+            return
+        if record is not None:
+            assert sum(len(frame) for frame in record) + 12 + 8 * len(record) <= len(garbage)
+    finally:
+        ours.close()
+        reader.close()
+
+
+def test_a_read_without_waiting_takes_what_has_arrived():
+    """A worker polls for new weights between the steps of a rollout: a record already sent must be returned."""
+    ours, theirs = pipe_pair()
+    writer, reader = Pipe(ours, MB, blocking=True), Pipe(theirs, MB, blocking=True)
+    try:
+        assert reader.read(0) is None
+        writer.write([b"weights"])
+        time.sleep(0.05)
+        assert [bytes(f) for f in reader.read(0)] == [b"weights"]
+    finally:
+        writer.close()
+        reader.close()

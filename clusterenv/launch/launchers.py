@@ -62,12 +62,16 @@ class LocalLauncher:
             ZeroMQ socket (:mod:`clusterenv.wire.pipes`; not under ``encrypt=True``): faster when
             every core is busy. The learner passes its end to :attr:`attach_pipe`; the child
             inherits its own as ``--connect pipe://FD``.
+        batch_scheduling: start the workers as CPU-bound processes (Linux's ``SCHED_BATCH``,
+            ``clusterenv-worker --batch-scheduling``), so that a worker woken by the learner waits
+            for a free core instead of preempting the learner; their share of CPU is unchanged.
     """
 
-    def __init__(self, pipes: bool = True) -> None:
+    def __init__(self, pipes: bool = True, batch_scheduling: bool = True) -> None:
         self.processes: dict[int, subprocess.Popen] = {}
         self.encrypt = False
         self.pipes = pipes
+        self.batch_scheduling = batch_scheduling
         self.attach_pipe: Callable[[socket.socket], None] | None = None
 
     def start(self, worker_ids: list[int], address: str, key: bytes) -> None:
@@ -89,6 +93,7 @@ class LocalLauncher:
                 "--parent-pid",
                 str(os.getpid()),
                 *(["--encrypt"] if self.encrypt else []),
+                *(["--batch-scheduling"] if self.batch_scheduling else []),
             ]
             try:
                 self.processes[worker_id] = subprocess.Popen(

@@ -112,7 +112,7 @@ class ClusterEnv(VectorEnv):
         Args:
             env_fns: zero-argument callables creating the environments, as for ``AsyncVectorEnv``.
             num_workers: worker processes; defaults to one per available core, at most ``len(env_fns)``.
-                Each worker is one ZeroMQ peer of the learner.
+                Each worker is one peer of the learner.
             procs_per_worker: env processes per worker. With ``N > 1`` each worker splits its
                 slice over ``min(N, slice size)`` child processes that step in parallel, so one
                 worker per host can use all its cores while the learner talks to one peer per

@@ -161,18 +161,17 @@ class Pipe:
                 return records
 
     def read(self, timeout_ms: int) -> list[memoryview] | None:
-        """The next record, waiting up to ``timeout_ms`` (-1: forever); ``None`` on time-out (blocking ends)."""
+        """The next record, waiting up to ``timeout_ms`` (0: only what has arrived; -1: forever); ``None`` on time-out."""
         deadline = None if timeout_ms < 0 else time.monotonic() + timeout_ms / 1000
         while True:
             record = self._next_record()
             if record is not None:
                 return record
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if remaining == 0.0 or not select.select([self.fd], [], [], remaining)[0]:
-                if deadline is not None and time.monotonic() >= deadline:
-                    return None
-                continue
-            self._fill()
+            if select.select([self.fd], [], [], remaining)[0]:
+                self._fill()
+            elif deadline is not None and time.monotonic() >= deadline:
+                return None
 
     # -- writing ---------------------------------------------------------------------------
     @property
