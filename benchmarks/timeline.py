@@ -145,25 +145,22 @@ def _burn(seconds: float) -> None:
         pass
 
 
+def _serve_burning(recv: Callable[[], bytes], send: Callable[[bytes], Any], burn_s: float) -> None:
+    """Answer each message with itself after ``burn_s`` of CPU, until ``b"stop"``."""
+    while (message := recv()) != b"stop":
+        _burn(burn_s)
+        send(message)
+
+
 def zmq_burn_worker(address: str, identity: bytes, burn_s: float) -> None:
     context, socket = hello_dealer(address, identity)
-    while True:
-        message = socket.recv()
-        if message == b"stop":
-            break
-        _burn(burn_s)
-        socket.send(message)
+    _serve_burning(socket.recv, socket.send, burn_s)
     socket.close()
     context.term()
 
 
 def pipe_burn_worker(connection: Any, burn_s: float) -> None:
-    while True:
-        message = connection.recv_bytes()
-        if message == b"stop":
-            break
-        _burn(burn_s)
-        connection.send_bytes(message)
+    _serve_burning(connection.recv_bytes, connection.send_bytes, burn_s)
 
 
 def floor_zmq(n: int, burn_s: float, seconds: float) -> float:
