@@ -193,16 +193,24 @@ def spin(seconds: float) -> None:
         pass
 
 
+def burn_cpu(seconds: float) -> None:
+    """Pure-Python busy work until this thread has used ``seconds`` of CPU (however long that takes)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
 class BusyEnv(gym.Wrapper):
     """CartPole whose every step first keeps its worker busy for ``seconds``, then steps as CartPole would.
 
-    ``how`` is ``"python"`` (:func:`spin`) or ``"c"`` (:func:`hold_gil`). The file ``started``, if
+    ``how`` is ``"python"`` (:func:`spin`), ``"cpu"`` (:func:`burn_cpu`) or ``"c"`` (:func:`hold_gil`). The file ``started``, if
     given, is created as a step begins, so that a test knows the worker is inside it.
     """
 
     def __init__(self, seconds: float, how: str = "c", started: str | None = None) -> None:
         super().__init__(gym.make("CartPole-v1"))
-        self.seconds, self.busy, self.started = seconds, {"python": spin, "c": hold_gil}[how], started
+        self.seconds, self.started = seconds, started
+        self.busy = {"python": spin, "cpu": burn_cpu, "c": hold_gil}[how]
 
     def step(self, action):
         if self.started is not None:
@@ -520,3 +528,16 @@ def failing_factory(log: str) -> gym.Env:
     if made:
         raise OSError("the simulator's licence server is down")
     return FlakyCartPole(log + ".errors", probability=1.0)
+
+
+class LeakyCartPole(gym.Wrapper):
+    """CartPole that keeps ``mb_per_step`` MB of fresh, touched memory on every step, as a leaking simulator does."""
+
+    def __init__(self, mb_per_step: float = 1.0) -> None:
+        super().__init__(gym.make("CartPole-v1"))
+        self.chunk = int(mb_per_step * 2**20)
+        self.kept: list[bytearray] = []
+
+    def step(self, action):
+        self.kept.append(bytearray(b"\x01" * self.chunk))  # written, so resident
+        return self.env.step(action)

@@ -13,7 +13,7 @@ import collections
 import itertools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -22,6 +22,7 @@ import zmq
 from clusterenv.errors import WorkerStartError
 from clusterenv.learner.pool_state import LIVENESS_POLL_S, OnLoss, PoolState
 from clusterenv.wire.messages import EnvsMeta, HelloMeta, InitMeta, meta_of
+from clusterenv.wire.processes import resource_usage
 from clusterenv.wire.protocol import Kind, Message
 
 __all__ = ["Membership"]
@@ -275,9 +276,18 @@ class Membership(PoolState):
                     "lost_because": self._retired.get(process),
                     "silent_s": None if process in self._retired else self._monitor.silence(process),
                     "latency_ms": _percentiles(latencies),
+                    **self._usage(process, info),
                 }
             )
         return described
+
+    def _usage(self, process: int, info: Mapping[str, Any]) -> dict[str, float | None]:
+        """CPU seconds and resident MB of a worker process this learner started (with its env processes), else ``None``."""
+        pid = info.get("pid")
+        local = getattr(self.launcher, "processes", {})  # LocalLauncher's children, by worker id
+        started_here = process not in self._retired and any(p.pid == pid for p in local.values())
+        usage = resource_usage(pid) if started_here and isinstance(pid, int) else None
+        return {"cpu_s": None if usage is None else usage.cpu_s, "rss_mb": None if usage is None else usage.rss_mb}
 
 
 def _percentiles(latencies: Iterable[float] | None) -> dict[str, float] | None:

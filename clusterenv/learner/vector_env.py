@@ -671,16 +671,16 @@ class ClusterEnv(VectorEnv):
 
     @property
     def worker_info(self) -> list[dict[str, Any]]:
-        """Per worker process: ``{"worker_id", "host", "pid", "state", "serves", "env_ids", "lost_because", "silent_s", "latency_ms"}``.
+        """Per worker process: ``worker_id, host, pid, state, serves, env_ids, lost_because, silent_s, latency_ms, cpu_s, rss_mb``.
 
-        Host and pid are what the process said when it joined (replacements included). ``state`` is
+        ``cpu_s``/``rss_mb``: CPU seconds so far and resident MB now of a process this learner started, with its
+        env processes (from ``/proc``; else ``None``). Host and pid are what it said when it joined. ``state`` is
         ``"active"``, ``"idle"`` (joined mid-run, nothing to step yet), or ``"lost"`` for a process given
         up under ``"rehome"`` (``lost_because`` says why); ``serves`` the workers whose envs it steps
         (its own, and any re-homed onto it) and ``env_ids`` their indices; ``silent_s`` the seconds since its
         last heartbeat, to spot a process that stalls before it is declared lost;
-        ``latency_ms`` the median, 95th percentile and maximum of the time from the learner's
-        command to the reply, over the last ``LATENCY_WINDOW`` (256) replies per worker it
-        serves (``None`` before the first), to spot stragglers.
+        ``latency_ms`` the median, 95th percentile and maximum of the time from the learner's command to
+        the reply, over the last 256 replies per worker it serves (``None`` before the first): stragglers.
         """
         return [
             {**info, "env_ids": [i for w in info["serves"] for i in range(self._slices[w].start, self._slices[w].stop)]}

@@ -39,7 +39,6 @@ __all__ = ["LearnerPipes", "Pipe", "PipeClosed", "pipe_pair"]
 logger = logging.getLogger(__name__)
 
 _PREFIX = struct.Struct("<IQ")  # frame count, body bytes (lengths table + frames)
-_LENGTH = struct.Struct("<Q")
 _MAX_FRAMES = 1 << 16
 _READ_CHUNK = 1 << 18
 # Bigger kernel buffers let a reply or command of a few hundred KB leave without waiting for

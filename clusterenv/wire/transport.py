@@ -22,6 +22,11 @@ so a peer without the secret fails ZeroMQ's own handshake and none of its messag
 ever read into the learner's memory; and messages cross the network encrypted. CurveZMQ
 authenticates every message, so the MAC then skips the array frames, as on ``ipc://``.
 
+Workers the learner starts on its own host may talk to it over pipes instead of the socket
+(:mod:`clusterenv.wire.pipes`): the channel carries the same messages, joins included, over
+them, polls them together with the socket on the learner's side, and neither compresses
+nor MACs their array frames (only the learner and that child hold a pipe).
+
 Compression (``ClusterEnv(compression="lz4")``) is the learner's choice for its tcp
 connections: its WELCOME names the codec, and from then on both ends compress their large
 array frames with it (:mod:`clusterenv.wire.codecs`). On ``ipc://`` nothing is compressed.
