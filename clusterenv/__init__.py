@@ -28,6 +28,7 @@ if _typing.TYPE_CHECKING:  # the public names, each written once (``X as X``: re
     from clusterenv.launch.launchers import Launcher as Launcher
     from clusterenv.launch.launchers import LocalLauncher as LocalLauncher
     from clusterenv.launch.ray import RayLauncher as RayLauncher
+    from clusterenv.learner.recycling import Recycle as Recycle
     from clusterenv.learner.rollout_batch import RolloutBatch as RolloutBatch
     from clusterenv.learner.rollouts import PolicyRunner as PolicyRunner
     from clusterenv.learner.vector_env import ClusterEnv as ClusterEnv

@@ -13,13 +13,14 @@ import collections
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 import zmq
 
 from clusterenv.errors import WorkerStartError
+from clusterenv.launch.launchers import LocalLauncher
 from clusterenv.learner.pool_state import LIVENESS_POLL_S, OnLoss, PoolState
 from clusterenv.wire.messages import EnvsMeta, HelloMeta, InitMeta, meta_of
 from clusterenv.wire.processes import resource_usage
@@ -276,18 +277,33 @@ class Membership(PoolState):
                     "lost_because": self._retired.get(process),
                     "silent_s": None if process in self._retired else self._monitor.silence(process),
                     "latency_ms": _percentiles(latencies),
-                    **self._usage(process, info),
+                    **self._usage(process),
                 }
             )
         return described
 
-    def _usage(self, process: int, info: Mapping[str, Any]) -> dict[str, float | None]:
+    def _usage(self, process: int) -> dict[str, float | None]:
         """CPU seconds and resident MB of a worker process this learner started (with its env processes), else ``None``."""
-        pid = info.get("pid")
-        local = getattr(self.launcher, "processes", {})  # LocalLauncher's children, by worker id
-        started_here = process not in self._retired and any(p.pid == pid for p in local.values())
-        usage = resource_usage(pid) if started_here and isinstance(pid, int) else None
+        pid = self.local_pids().get(process)
+        usage = None if pid is None else resource_usage(pid)
         return {"cpu_s": None if usage is None else usage.cpu_s, "rss_mb": None if usage is None else usage.rss_mb}
+
+    @property
+    def starts_local_workers(self) -> bool:
+        """Whether the worker processes are this learner's children (``LocalLauncher``)."""
+        return isinstance(self.launcher, LocalLauncher)
+
+    def local_pids(self) -> dict[int, int]:
+        """``{worker id: pid}`` of the live worker processes this learner started, as each joined."""
+        if not self.starts_local_workers:
+            return {}
+        started = {p.pid for p in self.launcher.processes.values()}  # type: ignore[attr-defined]
+        pids = {process: info.get("pid") for process, info in self._info.items() if process not in self._retired}
+        return {process: pid for process, pid in pids.items() if isinstance(pid, int) and pid in started}
+
+    def serves_only_itself(self, worker_id: int) -> bool:
+        """Whether worker ``worker_id``'s envs are in its own process, and nobody else's are."""
+        return self.serving.get(worker_id) == worker_id and list(self.serving.values()).count(worker_id) == 1
 
 
 def _percentiles(latencies: Iterable[float] | None) -> dict[str, float] | None:

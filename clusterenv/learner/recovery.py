@@ -178,6 +178,11 @@ class Recovery(PoolState):
         self._send_init(worker_id, replacement=True)
         self.gather([worker_id], f"rebuilding the envs of worker {worker_id}", self.start_timeout)
 
+    def replace(self, worker_id: int, why: str) -> None:
+        """A new process for a healthy worker whose envs are not in flight (recycling), as a restart starts one."""
+        logger.info("Worker %d: %s.", worker_id, why)
+        self._restart(worker_id)
+
     def _rehome(self, worker_id: int, doing: str) -> None:
         """Rebuild a lost worker's envs in the surviving process that carries the fewest envs."""
         process = self.serving[worker_id]

@@ -97,15 +97,15 @@ def check_observation_mode(observation_mode: Any) -> str | tuple[spaces.Space, s
     )
 
 
-def check_seconds(name: str, value: Any, *, allow_none: bool) -> Any:
-    """``value`` as float seconds if it is a positive number (or None where allowed), else a clear error."""
+def check_seconds(name: str, value: Any, *, allow_none: bool, unit: str = "seconds") -> Any:
+    """``value`` as a float if it is a positive number (of ``unit``; or None where allowed), else a clear error."""
     if value is None and allow_none:
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        expected = "a positive number of seconds" + (" or None" if allow_none else "")
+        expected = f"a positive number of {unit}" + (" or None" if allow_none else "")
         raise TypeError(f"`{name}` must be {expected}, got {type(value).__name__} ({value!r}).")
     if not value > 0:
-        raise ValueError(f"`{name}` must be a positive number of seconds, got {value}.")
+        raise ValueError(f"`{name}` must be a positive number of {unit}, got {value}.")
     return float(value)
 
 

@@ -17,6 +17,7 @@ from gymnasium.vector.async_vector_env import AsyncState
 from clusterenv.launch.launchers import Launcher
 from clusterenv.learner.first_ready import FirstReady, Ready
 from clusterenv.learner.pool import Command, OnLoss, WorkerPool, weak_callback
+from clusterenv.learner.recycling import Recycle, Recycler
 from clusterenv.learner.step_buffers import WORKER_RESTARTED_KEY, BatchBuffers, share_with_local_workers
 from clusterenv.learner.validation import (
     action_items,
@@ -106,6 +107,7 @@ class ClusterEnv(VectorEnv):
         encrypt: bool = False,
         shared_memory: bool = True,
         compression: str | None = "lz4",
+        recycle: Recycle | None = None,
     ) -> None:
         """Start the workers and build the envs in them.
 
@@ -161,6 +163,8 @@ class ClusterEnv(VectorEnv):
             compression: ``"lz4"`` (default), ``"zstd"`` or ``None``: lossless compression of array
                 frames of 4 KB or more on tcp (observations, rollouts, weights, both ways); zstd for
                 slow links (docs/guides/multi-node.md). ``ipc://`` never compresses.
+            recycle: replace a worker's process after so many env steps or past a memory bound, between
+                steps (:class:`~clusterenv.learner.recycling.Recycle`; local workers; docs/guides/flaky-envs.md).
         """
         super().__init__()
         self._state = AsyncState.DEFAULT
@@ -218,6 +222,7 @@ class ClusterEnv(VectorEnv):
         self._needs_reset = True
         self.closed = False
         try:
+            self._recycler = None if recycle is None else Recycler(recycle, self._pool)
             self._pool.start()
             self._init_workers(pickled_fns, observation_mode, start_timeout)
         except BaseException:
@@ -392,6 +397,8 @@ class ClusterEnv(VectorEnv):
         self._begin(AsyncState.WAITING_STEP, "step_async")  # a pending reset is reported first, as Async does
         if self._needs_reset:
             raise ResetNeeded("Cannot call `step` before `reset`: the environments have not been reset yet.")
+        if self._recycler is not None:  # a recycled worker's fresh envs join the moved ones
+            self._recycler.before_step(range(self.num_workers), self._cut_pending, self._slices)
         # Moved workers' fresh envs do not step: this step reports their cut episodes.
         stepping = [w for w in range(self.num_workers) if w not in self._cut_pending]
         if self._action_specs is None:  # no fixed array form (Text, Graph, ...): each env's action, pickled
@@ -432,10 +439,8 @@ class ClusterEnv(VectorEnv):
     def _report_interrupted(self, infos: dict[str, Any], interrupted: list[int]) -> dict[str, Any]:
         """Report the episodes that a worker restart cut short as truncations (semantics in docs/guides/fault-tolerance.md).
 
-        Reward 0, ``terminated=False``, ``truncated=True`` and ``infos["worker_restarted"]``.
-        Under SAME_STEP the new episode starts now: the replacement's envs are reset here, the
-        observation is the reset one, ``final_obs`` the last one received and ``final_info`` empty.
-        Under NEXT_STEP the observation is the last one received, and the next step resets.
+        Reward 0, ``truncated=True``, ``infos["worker_restarted"]``. SAME_STEP: the envs are reset here (``final_obs``
+        the last observation received, ``final_info`` empty); NEXT_STEP: the last observation, the next step resets.
         """
         resets: dict[int, Message] = {}
         if self.autoreset_mode is AutoresetMode.SAME_STEP:
@@ -480,7 +485,9 @@ class ClusterEnv(VectorEnv):
             self._begin(AsyncState.WAITING_STEP, "send")
             self._state = AsyncState.WAITING_STEP
         # A replacement's envs are reset by the restart hook, and recv() reports their cut episodes;
-        # a moved worker's (rebalance) are reset here, and reported the same way.
+        # a moved worker's (rebalance, recycling) are reset here, and reported the same way.
+        if self._recycler is not None:
+            self._recycler.before_step([w for w, _ in plan], self._cut_pending, self._slices)
         moved = [(w, rows) for w, rows in plan if w in self._cut_pending]
         stepping = [(w, rows) for w, rows in plan if w not in self._cut_pending]
         self._pool.send_each(Kind.STEP, self._first_ready.step_commands(leaves, stepping), OnLoss.REISSUE)
@@ -521,10 +528,9 @@ class ClusterEnv(VectorEnv):
         the least loaded ones while that lowers the larger load. Nothing moves on its own:
         call this between steps (or rollouts) when you want joiners to take load.
 
-        A moved worker's envs are rebuilt from their factories in the new process and start
-        new episodes: the next ``step`` (or ``recv``, or ``PolicyRunner`` rollout) reports
-        the cut episodes truncated and flagged ``infos["worker_restarted"]``, as a restart
-        does, and a ``reset`` simply resets them. Needs ``on_worker_failure="rehome"``.
+        A moved worker's envs are rebuilt from their factories in the new process and start new episodes:
+        the next ``step`` (or ``recv``, or ``PolicyRunner`` rollout) reports the cut episodes truncated and
+        flagged ``infos["worker_restarted"]``, as a restart does. Needs ``on_worker_failure="rehome"``.
 
         Args:
             wait: if no process has connected yet, wait up to this many seconds for one.
@@ -673,14 +679,8 @@ class ClusterEnv(VectorEnv):
     def worker_info(self) -> list[dict[str, Any]]:
         """Per worker process: ``worker_id, host, pid, state, serves, env_ids, lost_because, silent_s, latency_ms, cpu_s, rss_mb``.
 
-        ``cpu_s``/``rss_mb``: CPU seconds so far and resident MB now of a process this learner started, with its
-        env processes (from ``/proc``; else ``None``). Host and pid are what it said when it joined. ``state`` is
-        ``"active"``, ``"idle"`` (joined mid-run, nothing to step yet), or ``"lost"`` for a process given
-        up under ``"rehome"`` (``lost_because`` says why); ``serves`` the workers whose envs it steps
-        (its own, and any re-homed onto it) and ``env_ids`` their indices; ``silent_s`` the seconds since its
-        last heartbeat, to spot a process that stalls before it is declared lost;
-        ``latency_ms`` the median, 95th percentile and maximum of the time from the learner's command to
-        the reply, over the last 256 replies per worker it serves (``None`` before the first): stragglers.
+        Each field is explained in docs/guides/fault-tolerance.md ("Watching the workers"): where its
+        envs are, whether it is alive, how fast it replies, and what CPU and memory it uses.
         """
         return [
             {**info, "env_ids": [i for w in info["serves"] for i in range(self._slices[w].start, self._slices[w].stop)]}
