@@ -22,9 +22,10 @@ __all__ = ["EpisodeLog"]
 class EpisodeLog:
     """Episode statistics to `episodes.csv`, the progress bar, TensorBoard (if installed) and a PNG.
 
-    Given a ClusterEnv (`envs`), it also logs the live worker processes and the envs whose
-    episodes a lost worker cut (`infos["worker_restarted"]`) to `workers.csv` and TensorBoard,
-    one row whenever they change: under `on_worker_failure="rehome"` the run goes on with fewer.
+    Given a ClusterEnv (`envs`), it also logs, at every progress update, the live and lost worker
+    processes, the envs whose episodes a lost or recycled worker cut (`infos["worker_restarted"]`),
+    the workers' CPU seconds and resident memory (`worker_info`), and the learner's busy and waiting
+    time per batch step (`learner_info`), to `workers.csv` and TensorBoard.
     """
 
     def __init__(self, run_dir, total_timesteps, window, envs=None):
@@ -37,11 +38,23 @@ class EpisodeLog:
         self.writer = SummaryWriter(run_dir) if SummaryWriter is not None else None
         self.bar = tqdm(total=total_timesteps, unit="step", unit_scale=True, dynamic_ncols=True, mininterval=1.0)
         self.envs = envs if hasattr(envs, "worker_info") else None
-        self.cut_envs, self.fleet = 0, None
+        self.cut_envs = 0
         if self.envs is not None:
             self.workers_file = open(os.path.join(run_dir, "workers.csv"), "w", newline="")
             self.workers_csv = csv.writer(self.workers_file)
-            self.workers_csv.writerow(["global_step", "live_workers", "lost_workers", "cut_envs", "wall_time_s"])
+            self.workers_csv.writerow(
+                [
+                    "global_step",
+                    "live_workers",
+                    "lost_workers",
+                    "cut_envs",
+                    "workers_cpu_s",
+                    "workers_rss_mb",
+                    "learner_busy_ms",
+                    "learner_waiting_ms",
+                    "wall_time_s",
+                ]
+            )
 
     def record(self, global_step, infos):
         # RecordEpisodeStatistics runs inside each env (in the workers, for ClusterEnv). With NEXT_STEP
@@ -66,13 +79,26 @@ class EpisodeLog:
 
     def progress(self, global_step, scalars, **postfix):
         if self.envs is not None:
-            states = [w["state"] for w in self.envs.worker_info]
+            workers = self.envs.worker_info
+            states = [w["state"] for w in workers]
             fleet = (states.count("active"), states.count("lost"), self.cut_envs)
-            if fleet != self.fleet:
-                self.fleet = fleet
-                self.workers_csv.writerow([global_step, *fleet, round(time.time() - self.start, 3)])
-                self.workers_file.flush()
-            scalars = {**scalars, "workers/live": fleet[0], "workers/cut_envs": fleet[2]}
+            # Summed over the worker processes this learner started (None for workers started elsewhere).
+            cpu_s = sum(w["cpu_s"] or 0.0 for w in workers)
+            rss_mb = sum(w["rss_mb"] or 0.0 for w in workers)
+            timing = self.envs.learner_info
+            busy, waiting = ((timing[k] or {}).get("p50", float("nan")) for k in ("busy_ms", "waiting_ms"))
+            usage = [round(cpu_s, 2), round(rss_mb, 1), round(busy, 3), round(waiting, 3)]
+            self.workers_csv.writerow([global_step, *fleet, *usage, round(time.time() - self.start, 3)])
+            self.workers_file.flush()
+            scalars = {
+                **scalars,
+                "workers/live": fleet[0],
+                "workers/cut_envs": fleet[2],
+                "workers/cpu_s": cpu_s,
+                "workers/rss_mb": rss_mb,
+                "learner/busy_ms": busy,
+                "learner/waiting_ms": waiting,
+            }
         if self.writer is not None:
             for tag, value in scalars.items():
                 self.writer.add_scalar(tag, value, global_step)

@@ -136,9 +136,12 @@ def test_example_trains_and_writes_episode_csv_and_learning_curve(tiny_run, name
     assert steps == sorted(steps)
     assert (run.run_dir / "learning_curve.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     assert f"{len(episodes)} episodes in" in run.result.stdout
-    with open(run.run_dir / "workers.csv", newline="") as f:  # the fleet, logged whenever it changes
+    with open(run.run_dir / "workers.csv", newline="") as f:  # the fleet and its usage, at every progress update
         fleet = list(csv.DictReader(f))
     assert fleet and int(fleet[0]["live_workers"]) >= 1 and fleet[0]["lost_workers"] == "0"
+    assert float(fleet[-1]["workers_rss_mb"]) > 0
+    waiting = float(fleet[-1]["learner_waiting_ms"])  # NaN where the workers act (rollouts are not batch steps)
+    assert math.isnan(waiting) == ("--local-policy" in name) and not waiting < 0
 
 
 def test_the_sb3_example_gives_dummy_vec_envs_episodes(tmp_path):

@@ -1,4 +1,4 @@
-"""``worker_info`` shows what each worker process the learner started uses: CPU seconds and resident memory."""
+"""Where the time and memory go: each local worker's CPU and memory (``worker_info``), the learner's busy and waiting time (``learner_info``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from clusterenv import ClusterEnv
-from tests.envs import BusyEnv, LeakyCartPole
+from tests.envs import BusyEnv, LeakyCartPole, SlowEnv
 
 pytestmark = pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="read from /proc")
 
@@ -46,3 +46,43 @@ def test_resident_memory_shows_the_worker_whose_env_leaks(procs):
         grown = np.subtract(usage(envs, "rss_mb"), before)
         assert grown[0] >= 190, grown  # 2 envs x 50 steps x 2 MB
         assert grown[1] < 50, grown
+
+
+def test_an_env_bound_run_shows_the_learner_waiting_for_most_of_each_step():
+    """Each step waits at least 20 ms for the workers' envs; the learner's own part is what is left."""
+    with ClusterEnv([functools.partial(SlowEnv, 0.02)] * 2, num_workers=2) as envs:
+        assert envs.learner_info == {"batch_steps": 0, "busy_ms": None, "waiting_ms": None}
+        envs.reset(seed=0)
+        for _ in range(20):
+            envs.step(np.zeros(2, np.int64))
+        info = envs.learner_info
+        assert info["batch_steps"] == 20  # reset() is not a batch step
+        assert info["waiting_ms"]["p50"] >= 19.0
+        assert 0.0 <= info["busy_ms"]["p50"] < info["waiting_ms"]["p50"]
+
+
+def test_first_ready_batch_steps_run_from_send_to_recv():
+    with ClusterEnv([functools.partial(SlowEnv, 0.01)] * 4, num_workers=4, batch_size=2) as envs:
+        envs.async_reset(seed=0)
+        for _ in range(10):
+            *_, env_ids = envs.recv()
+            envs.send(np.zeros(len(env_ids), np.int64), env_ids)
+        info = envs.learner_info
+        assert info["batch_steps"] == 9  # the first recv() answered async_reset, which sent no STEP
+        assert info["waiting_ms"]["p50"] >= 0.0 and info["busy_ms"]["p50"] >= 0.0
+        for _ in range(2):
+            envs.recv()
+
+
+@pytest.mark.parametrize("procs", [1, 2])
+def test_env_step_times_are_measured_where_the_envs_step(procs):
+    """Each step burns 5 ms of the env's CPU, so no env step can take less wall time than that."""
+    fns = [functools.partial(BusyEnv, 0.005, "cpu")] * 4
+    with ClusterEnv(fns, num_workers=2, procs_per_worker=procs, autoreset_mode="SameStep") as envs:
+        assert [w["env_step_ms"] for w in envs.worker_info] == [None, None]
+        envs.reset(seed=0)
+        for _ in range(5):
+            envs.step(np.zeros(4, np.int64))
+        for worker in envs.worker_info:
+            times = worker["env_step_ms"]
+            assert times["samples"] >= 1 and 5.0 <= times["p50"] <= times["p95"], times

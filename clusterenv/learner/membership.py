@@ -277,6 +277,7 @@ class Membership(PoolState):
                     "lost_because": self._retired.get(process),
                     "silent_s": None if process in self._retired else self._monitor.silence(process),
                     "latency_ms": _percentiles(latencies),
+                    "env_step_ms": _env_step_times([self._env_step_ms[w] for w in serves if w in self._env_step_ms]),
                     **self._usage(process),
                 }
             )
@@ -304,6 +305,14 @@ class Membership(PoolState):
     def serves_only_itself(self, worker_id: int) -> bool:
         """Whether worker ``worker_id``'s envs are in its own process, and nobody else's are."""
         return self.serving.get(worker_id) == worker_id and list(self.serving.values()).count(worker_id) == 1
+
+
+def _env_step_times(reports: list[list[float]]) -> dict[str, float] | None:
+    """A process's env step times from its workers' last reports (the largest, if it serves several)."""
+    if not reports:
+        return None
+    p50, p95, samples = max(reports, key=lambda report: report[1])
+    return {"p50": p50, "p95": p95, "samples": int(samples)}
 
 
 def _percentiles(latencies: Iterable[float] | None) -> dict[str, float] | None:

@@ -31,6 +31,7 @@ from clusterenv.learner.heartbeat_monitor import HeartbeatMonitor
 from clusterenv.learner.membership import Membership
 from clusterenv.learner.pool_state import LIVENESS_POLL_S, Command, OnLoss, SentCommand
 from clusterenv.learner.recovery import Recovery
+from clusterenv.learner.timing import StepTiming
 from clusterenv.wire.cleanup import remove_stale_dirs
 from clusterenv.wire.liveness import Heartbeat, heartbeat_address
 from clusterenv.wire.messages import EnvsMeta
@@ -46,6 +47,8 @@ logger = logging.getLogger(__name__)
 _MAX_EARLY_HELLOS = 64
 # Messages dropped (strays, replies to earlier calls) in one receive step before the caller checks its deadline.
 _MAX_DROPS_PER_WAIT = 64
+# How long close() waits for workers to exit before killing them, unless told otherwise.
+_CLOSE_GRACE_S = 5.0
 # Lets a CLOSE queued for a connected worker leave before the socket goes; peers that are gone hold nothing up.
 _CLOSE_LINGER_MS = 500
 #: How many of each worker's recent replies ``worker_info``'s latency percentiles cover.
@@ -131,6 +134,8 @@ class WorkerPool(Membership, Recovery):
         self._context = zmq.Context()
         self._channel = Channel.bind_router(self._context, bind, key, curve=curve, compression=compression)
         self.address = self._channel.endpoint
+        #: Each batch step's learner time, busy against waiting (:mod:`clusterenv.learner.timing`).
+        self.timing = StepTiming(lambda: self._channel.waited_s)
         if isinstance(self.launcher, LocalLauncher) and self.launcher.pipes and not encrypt:
             self.launcher.attach_pipe = self._channel.add_pipe  # its children talk over pipes (wire/pipes.py)
         try:
@@ -160,6 +165,7 @@ class WorkerPool(Membership, Recovery):
         self._latencies: collections.defaultdict[int, collections.deque[float]] = collections.defaultdict(
             lambda: collections.deque(maxlen=LATENCY_WINDOW)
         )
+        self._env_step_ms: dict[int, list[float]] = {}
         self._restart_hooks: list[Callable[[int], None]] = []
         self._interrupted: set[int] = set()
         self._awaiting: set[int] = set()  # workers whose latest command has had no reply yet
@@ -223,6 +229,8 @@ class WorkerPool(Membership, Recovery):
             for w, (meta, arrays, blobs) in commands.items()
         ]
         sent_at = time.monotonic()
+        if kind is Kind.STEP:
+            self.timing.start()
         for (worker_id, frames), (meta, arrays, blobs) in zip(encoded, commands.values(), strict=True):
             if on_loss is not None:  # a command, not a message that serves one (weights, probe outputs)
                 self._last_sent[worker_id] = SentCommand(kind, meta, arrays, blobs, on_loss)
@@ -373,6 +381,8 @@ class WorkerPool(Membership, Recovery):
                 raise self._remote_error(worker_id, msg, doing, close=errors_close)
             if worker_id in self._sent_at:
                 self._latencies[worker_id].append(time.monotonic() - self._sent_at[worker_id])
+            if "env_step_ms" in msg.meta:
+                self._env_step_ms[worker_id] = msg.meta["env_step_ms"]
             self._awaiting.discard(worker_id)
             return worker_id, msg
         return None
@@ -382,8 +392,8 @@ class WorkerPool(Membership, Recovery):
         """The default ``on_fatal``: close the pool (ClusterEnv replaces it with its own ``close``)."""
         self.close(terminate=terminate)
 
-    def close(self, grace: float = 5.0, terminate: bool = False) -> None:
-        """Ask workers to exit (after closing their envs); kill those that do not within ``grace`` seconds.
+    def close(self, grace: float | None = None, terminate: bool = False) -> None:
+        """Ask workers to exit (after closing their envs); kill those that do not within ``grace`` seconds (default 5).
 
         ``grace`` bounds the whole wait: confirming CLOSE and then waiting for the processes
         to exit share it, so a worker that ignores CLOSE costs one grace period, not two.
@@ -391,7 +401,7 @@ class WorkerPool(Membership, Recovery):
         if self.closed:
             return
         self.closed = True
-        deadline = time.monotonic() + grace
+        deadline = time.monotonic() + (_CLOSE_GRACE_S if grace is None else grace)
         # Also on terminate: workers this process cannot kill (external, remote) must hear it.
         # Without blocking: a frozen worker's full queue must not hang close().
         self._channel.zmq_socket.setsockopt(zmq.SNDTIMEO, 0)

@@ -88,6 +88,7 @@ class PoolState:
     _init_commands: dict[int, tuple[EnvsMeta, list[bytes]]]
     _last_sent: dict[int, SentCommand]
     _latencies: collections.defaultdict[int, collections.deque[float]]  # seconds from command to reply
+    _env_step_ms: dict[int, list[float]]  # each worker's last report of its env step times: [p50, p95, samples]
     _restart_hooks: list[Callable[[int], None]]
     _interrupted: set[int]
     _awaiting: set[int]  # workers whose latest command has had no reply yet

@@ -60,18 +60,13 @@ __all__ = ["WORKER_RESTARTED_KEY", "ClusterEnv"]
 
 logger = logging.getLogger(__name__)
 
-_CLOSE_GRACE_S = 5.0
-
 
 class ClusterEnv(VectorEnv):
-    """A vector env whose ``reset``/``step`` run in worker processes over ZeroMQ.
+    """A vector env whose ``reset``/``step`` run in worker processes.
 
-    The envs are split into contiguous slices, one per worker; each worker steps its
-    slice as a ``SyncVectorEnv`` (or, with ``procs_per_worker > 1``, as several of them
-    in its own child processes), so results are bit-identical to
-    ``gymnasium.vector.SyncVectorEnv`` with the same seeds and actions, in every
-    autoreset mode. Actions and observations travel as raw array frames; env factories
-    travel once, cloudpickled, after the worker has authenticated.
+    Each worker steps a contiguous slice of the envs as a ``SyncVectorEnv`` (or several, in its own child
+    processes), so results are bit-identical to ``gymnasium.vector.SyncVectorEnv`` with the same seeds and
+    actions, in every autoreset mode. Env factories travel once, cloudpickled, to authenticated workers.
 
     Examples:
         >>> import gymnasium as gym
@@ -265,8 +260,8 @@ class ClusterEnv(VectorEnv):
     def pending_call(self, holder: str | None = None) -> Iterator[WorkerPool]:
         """Hold the env's one pending call while an extension talks to the workers through the pool.
 
-        Inside, ``reset``/``step``/``call`` raise ``AlreadyPendingCallError`` (naming ``holder``,
-        if given); the pool's sequence number is new, so replies to earlier calls are ignored.
+        Inside, ``reset``/``step``/``call`` raise ``AlreadyPendingCallError`` (naming ``holder``, if given);
+        the pool's sequence number is new, so replies to earlier calls are ignored.
         """
         self._begin(AsyncState.WAITING_CALL, "pending_call")
         self._state, self._holder = AsyncState.WAITING_CALL, holder
@@ -425,13 +420,15 @@ class ClusterEnv(VectorEnv):
         if interrupted:
             infos = self._report_interrupted(infos, interrupted)
         buffers = self._buffers
-        return (
+        result = (
             buffers.observation_batch(self.copy),
             np.copy(buffers.rewards),
             np.copy(buffers.terminations),
             np.copy(buffers.truncations),
             infos,
         )
+        self._pool.timing.finish()
+        return result
 
     def _collect(self, replies: dict[int, Message], step: bool) -> dict[str, Any]:
         return self._buffers.collect([(self._slices[w], replies[w]) for w in sorted(replies)], step)
@@ -515,25 +512,24 @@ class ClusterEnv(VectorEnv):
         ready = self._first_ready.wait(self._pool, needed, self.timeout if timeout is None else timeout)
         if not self._first_ready.busy_workers():
             self._state = AsyncState.DEFAULT
-        return self._first_ready.assemble(ready, self._buffers)
+        batch = self._first_ready.assemble(ready, self._buffers)
+        self._pool.timing.finish()
+        return batch
 
     # -- elastic fleet (on_worker_failure="rehome") ---------------------------------------------
     def rebalance(self, wait: float = 0.0) -> list[int]:
         """Let worker processes that connected mid-run take envs; returns the workers whose envs moved.
 
-        A process started with ``clusterenv-worker --connect ...`` (on a new host, or one that
-        came back) after the start is admitted here, after the same authentication as at the
-        start. It first takes back the envs of the worker whose id it asked for, if another
-        process carries them; then whole workers' envs move from the most loaded processes to
-        the least loaded ones while that lowers the larger load. Nothing moves on its own:
-        call this between steps (or rollouts) when you want joiners to take load.
+        A process started with ``clusterenv-worker --connect ...`` (on a new host, or one that came back)
+        after the start is admitted here, after the same authentication as at the start. It first takes
+        back the envs of the worker whose id it asked for, if another process carries them; then whole
+        workers' envs move from the most loaded processes to the least loaded ones while that lowers the
+        larger load. Nothing moves on its own: call this between steps (or rollouts).
 
         A moved worker's envs are rebuilt from their factories in the new process and start new episodes:
         the next ``step`` (or ``recv``, or ``PolicyRunner`` rollout) reports the cut episodes truncated and
         flagged ``infos["worker_restarted"]``, as a restart does. Needs ``on_worker_failure="rehome"``.
-
-        Args:
-            wait: if no process has connected yet, wait up to this many seconds for one.
+        ``wait``: if no process has connected yet, wait up to this many seconds for one.
         """
         if self.on_worker_failure != "rehome":
             raise ValueError(
@@ -661,12 +657,11 @@ class ClusterEnv(VectorEnv):
     # -- shutdown --------------------------------------------------------------------------
     def close_extras(self, timeout: float | None = None, terminate: bool = False, **kwargs: Any) -> None:
         """Ask workers to close their envs and exit; kill those that do not within the grace period."""
-        pending = (
-            self._state is not AsyncState.DEFAULT and self._holder is None and not self._first_ready.busy_workers()
-        )
+        in_flight = bool(self._first_ready.busy_workers())
+        pending = self._state is not AsyncState.DEFAULT and self._holder is None and not in_flight
         abandoned = self._state.value
         self._state = AsyncState.DEFAULT
-        self._pool.close(_CLOSE_GRACE_S if timeout is None else timeout, terminate=terminate)
+        self._pool.close(timeout, terminate=terminate)
         if pending:
             # As AsyncVectorEnv warns; after closing, so that under warnings-as-errors the workers are gone already.
             gymnasium.logger.warn(f"Calling `close` while waiting for a pending call to `{abandoned}` to complete.")
@@ -677,7 +672,7 @@ class ClusterEnv(VectorEnv):
 
     @property
     def worker_info(self) -> list[dict[str, Any]]:
-        """Per worker process: ``worker_id, host, pid, state, serves, env_ids, lost_because, silent_s, latency_ms, cpu_s, rss_mb``.
+        """Per process: ``worker_id, host, pid, state, serves, env_ids, lost_because, silent_s, latency_ms, env_step_ms, cpu_s, rss_mb``.
 
         Each field is explained in docs/guides/fault-tolerance.md ("Watching the workers"): where its
         envs are, whether it is alive, how fast it replies, and what CPU and memory it uses.
@@ -686,6 +681,11 @@ class ClusterEnv(VectorEnv):
             {**info, "env_ids": [i for w in info["serves"] for i in range(self._slices[w].start, self._slices[w].stop)]}
             for info in self._pool.worker_info
         ]
+
+    @property
+    def learner_info(self) -> dict[str, Any]:
+        """Per batch step, the learner's own time against its time waiting for workers (docs/guides/fault-tolerance.md)."""
+        return self._pool.timing.summary()
 
     def __enter__(self) -> ClusterEnv:
         return self

@@ -31,6 +31,7 @@ __all__ = [
     "ResetMeta",
     "RolloutAheadMeta",
     "RolloutMeta",
+    "ResultMeta",
     "RolloutResultMeta",
     "SetPolicyMeta",
     "ShareObsMeta",
@@ -165,6 +166,13 @@ class ErrorMeta(Empty):
     traceback: str
 
 
+class ResultMeta(Empty):
+    """RESULT: observations, rewards and flags are the arrays; infos in a blob."""
+
+    #: The worker's env step times, at most once a second: ``[p50 ms, p95 ms, samples]``.
+    env_step_ms: NotRequired[list[float]]
+
+
 class RolloutResultMeta(Empty):
     """ROLLOUT_RESULT: the transitions are the arrays; infos in a blob."""
 
@@ -172,6 +180,7 @@ class RolloutResultMeta(Empty):
     kl: float | None  # the KL measured at the rollout's start
     restarted: bool  # the envs are a replacement's: their episodes started anew
     rollout_id: NotRequired[int]  # for ROLLOUT_AHEAD
+    env_step_ms: NotRequired[list[float]]  # as in ResultMeta
 
 
 class WeightsRequestMeta(Empty):
@@ -198,7 +207,7 @@ _META: dict[Kind, type] = {
     Kind.WELCOME: WelcomeMeta,
     Kind.HELLO: HelloMeta,
     Kind.READY: Empty,
-    Kind.RESULT: Empty,
+    Kind.RESULT: ResultMeta,
     Kind.VALUE: ValueMeta,
     Kind.ERROR: ErrorMeta,
     Kind.CLOSED: Empty,

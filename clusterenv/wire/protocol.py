@@ -84,7 +84,7 @@ __all__ = [
 #: 5: any message may name a re-homed worker's ``slot``; 6: keyed BLAKE2b MACs instead of
 #: HMAC-SHA256; 7: keyed BLAKE3 MACs, compressed array frames, WELCOME names the codec), so that
 #: a learner and a worker of different versions refuse each other with a clear error.
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 MAX_HEADER_BYTES = 64 * 1024
 #: The largest integer a header can carry (msgpack's uint64); the smallest is -2**63.
 MAX_HEADER_INT = 2**64 - 1

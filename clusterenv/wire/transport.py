@@ -246,6 +246,8 @@ class Channel:
     pipe: Pipe | None = field(default=None, repr=False)
     #: The learner: its pipes to the workers it started, received from together with the socket.
     pipes: LearnerPipes | None = field(default=None, repr=False)
+    #: Seconds spent so far waiting for and receiving messages (the learner's waiting time).
+    waited_s: float = field(default=0.0, repr=False)
 
     @classmethod
     def bind_router(
@@ -490,7 +492,9 @@ class Channel:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            started = time.perf_counter()
             received = self._recv_frames(-1 if remaining is None else int(remaining * 1000), routed)
+            self.waited_s += time.perf_counter() - started
             if received is None:
                 return None
             sender, frames = received

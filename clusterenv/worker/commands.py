@@ -18,7 +18,7 @@ from gymnasium.vector import AutoresetMode
 
 from clusterenv.wire.infos import pack_infos
 from clusterenv.wire.leaves import batch_of_items, is_array_tree, leaf_arrays, unflatten
-from clusterenv.wire.messages import CallMeta, InitMeta, ResetMeta, ShareObsMeta, ValueMeta, meta_of
+from clusterenv.wire.messages import CallMeta, InitMeta, ResetMeta, ResultMeta, ShareObsMeta, ValueMeta, meta_of
 from clusterenv.wire.protocol import Kind, Message
 from clusterenv.wire.transport import Channel
 from clusterenv.worker.env_processes import ProcVectorEnv
@@ -173,7 +173,8 @@ class Worker:
         blobs = [b""] if not log else [dumps(pack_infos(log, self.envs.num_envs))]
         if not self.array_obs:
             blobs.append(dumps(self.envs.env_observations()))
-        return Message(Kind.RESULT, {}, arrays, blobs)
+        step_times = self.envs.step_clock.report()  # once a second at most
+        return Message(Kind.RESULT, {} if step_times is None else ResultMeta(env_step_ms=step_times), arrays, blobs)
 
     def reset(self, msg: Message) -> Message:
         """Reset the envs (those in the mask, if any) with their seeds, and one options dict or one per env."""

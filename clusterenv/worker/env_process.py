@@ -83,7 +83,7 @@ class _ChildEnvs:
         assert self.envs is not None
         records, self.envs.info_log = self.envs.info_log, []
         env_obs = None if self.array_obs else self.envs.env_observations()
-        return arrays, self.envs.autoresetting(), records, env_obs
+        return arrays, self.envs.autoresetting(), records, env_obs, self.envs.step_clock.take()
 
     def call(self, payload: tuple[list[int] | None, str | None, tuple[Any, ...], dict[str, Any]]) -> list[Any]:
         assert self.envs is not None

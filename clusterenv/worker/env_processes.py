@@ -65,6 +65,7 @@ from clusterenv.wire.leaves import is_array_tree, leaf_arrays
 from clusterenv.wire.processes import child_environment
 from clusterenv.worker.failures import EnvFailure
 from clusterenv.worker.recording_env import dumps
+from clusterenv.worker.step_clock import StepClock
 
 __all__ = ["ENV_PROCESS_LOST_EXIT_CODE", "ChildEnvError", "EnvProcessLost", "ProcVectorEnv"]
 
@@ -181,6 +182,8 @@ class ProcVectorEnv(VectorEnv):
         self.num_envs = len(env_blobs)
         self.autoreset_mode = AutoresetMode(autoreset_mode)
         self.info_log = []
+        #: The env step times its env processes measured, handed over with their replies.
+        self.step_clock = StepClock()
         self._children: list[_Child] = []
         try:
             for k, part in enumerate(split_evenly(self.num_envs, min(num_procs, self.num_envs))):
@@ -278,8 +281,9 @@ class ProcVectorEnv(VectorEnv):
 
     def _absorb(self, replies: dict[int, Any]) -> None:
         """Write each child's step or reset results into the batch buffers, in env order."""
-        for k, (arrays, autoreset, records, env_obs) in sorted(replies.items()):
+        for k, (arrays, autoreset, records, env_obs, step_times) in sorted(replies.items()):
             part = self._children[k].part
+            self.step_clock.samples.extend(step_times)
             if arrays is not None:
                 self._rewards[part], self._terminations[part], self._truncations[part] = arrays
             self._autoreset[part] = autoreset

@@ -16,6 +16,7 @@ import cloudpickle
 from gymnasium.vector.utils import concatenate
 
 from clusterenv.wire.protocol import Kind, Message
+from clusterenv.worker.step_clock import StepClock
 
 __all__ = ["EnvFailure", "EnvTracker", "TrackedEnvs", "error_reply"]
 
@@ -30,6 +31,8 @@ class EnvTracker:
 
     def __init__(self) -> None:
         self.reached: int | None = None
+        #: Times each env step while a batch step runs (:mod:`clusterenv.worker.step_clock`).
+        self.clock = StepClock()
 
     def forget(self) -> None:
         """Start a new command: no env reached yet."""
@@ -46,6 +49,8 @@ class TrackedEnvs(list[Any]):
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, int):
             self.tracker.reached = index if index >= 0 else len(self) + index
+            if self.tracker.clock.running:
+                self.tracker.clock.reached()
         return super().__getitem__(index)
 
     def __iter__(self) -> Any:

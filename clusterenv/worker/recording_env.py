@@ -30,6 +30,7 @@ from clusterenv.wire.layers import user_env
 from clusterenv.wire.leaves import leaf_arrays
 from clusterenv.worker.env_errors import ResettingEnv
 from clusterenv.worker.failures import EnvTracker, TrackedEnvs
+from clusterenv.worker.step_clock import StepClock
 
 __all__ = ["RecordingVectorEnv", "build", "dumps", "install_registry", "learner_registry", "make_envs"]
 
@@ -49,6 +50,19 @@ class RecordingVectorEnv(SyncVectorEnv):
 
     info_log: list[InfoRecord]
     envs: TrackedEnvs  # tells the worker's EnvTracker which env its loops reached (build() sets it)
+
+    @property
+    def step_clock(self) -> StepClock:
+        """Times each env's steps (the tracker's clock, which sees each env reached)."""
+        return self.envs.tracker.clock
+
+    def step(self, actions: Any) -> Any:
+        """``SyncVectorEnv.step``, each env's step timed."""
+        self.step_clock.start()
+        try:
+            return super().step(actions)
+        finally:
+            self.step_clock.stop()
 
     def _add_info(self, vector_infos: dict[str, Any], env_info: dict[str, Any], env_num: int) -> dict[str, Any]:
         if env_info:

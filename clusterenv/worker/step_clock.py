@@ -1,0 +1,66 @@
+"""How long each env step takes, measured in the process that steps the env.
+
+``SyncVectorEnv`` reaches each env through its ``envs`` list just before stepping it (the
+worker keeps that list as a :class:`~clusterenv.worker.failures.TrackedEnvs`), so the time
+from reaching one env to reaching the next is that env's step, plus Gymnasium's few µs of
+bookkeeping for it; the last env's ends when the batch step returns. An autoreset inside a
+step (``SAME_STEP``) is timed as a step of its own. One ``perf_counter`` per env step: no
+wrapper around the envs. Workers send the median and 95th percentile to the learner at most
+once a second, with a reply they send anyway.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import numpy as np
+
+__all__ = ["REPORT_INTERVAL_S", "StepClock"]
+
+#: How often a worker reports its env step times (with its next reply).
+REPORT_INTERVAL_S = 1.0
+_SAMPLES = 1024
+
+
+class StepClock:
+    """The durations of recent env steps, in seconds (at most the last 1,024)."""
+
+    def __init__(self) -> None:
+        self.samples: collections.deque[float] = collections.deque(maxlen=_SAMPLES)
+        self.running = False
+        self._last: float | None = None
+        self._report_due = 0.0
+
+    def reached(self) -> None:
+        """An env is about to be stepped: the previous one's step ended."""
+        now = time.perf_counter()
+        if self._last is not None:
+            self.samples.append(now - self._last)
+        self._last = now
+
+    def start(self) -> None:
+        """A batch step begins."""
+        self.running, self._last = True, None
+
+    def stop(self) -> None:
+        """The batch step ended: so did its last env's step."""
+        if self.running:
+            self.reached()
+        self.running, self._last = False, None
+
+    def take(self) -> list[float]:
+        """The samples so far, forgotten here (an env process hands them to its worker)."""
+        samples = list(self.samples)
+        self.samples.clear()
+        return samples
+
+    def report(self) -> list[float] | None:
+        """``[p50 ms, p95 ms, samples]`` once every :data:`REPORT_INTERVAL_S` when there are samples, else ``None``."""
+        now = time.monotonic()
+        if now < self._report_due or not self.samples:
+            return None
+        self._report_due = now + REPORT_INTERVAL_S
+        values = np.fromiter(self.samples, dtype=np.float64) * 1000.0
+        p50, p95 = np.percentile(values, [50, 95]).tolist()
+        return [p50, p95, float(len(values))]
