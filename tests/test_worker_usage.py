@@ -9,6 +9,8 @@ import pytest
 
 from clusterenv import ClusterEnv
 from tests.envs import BusyEnv, LeakyCartPole, SlowEnv
+from tests.test_remote import FAST, SECRET, free_address, worker_command
+from tests.test_remote import spawn as spawn  # a fixture
 
 pytestmark = pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="read from /proc")
 
@@ -86,3 +88,18 @@ def test_env_step_times_are_measured_where_the_envs_step(procs):
         for worker in envs.worker_info:
             times = worker["env_step_ms"]
             assert times["samples"] >= 1 and 5.0 <= times["p50"] <= times["p95"], times
+
+
+def test_workers_started_elsewhere_report_their_own_cpu_memory_and_step_times(spawn):
+    """An external worker's /proc is not the learner's to read: the worker sends its figures, once a second."""
+    address = free_address()
+    spawn(worker_command(address, "--worker-id", "0"))
+    fns = [functools.partial(BusyEnv, 0.005, "cpu")] * 2
+    with ClusterEnv(fns, num_workers=1, bind=address, secret=SECRET, launcher="external", heartbeat=FAST) as envs:
+        assert envs.worker_info[0]["cpu_s"] is None and envs.worker_info[0]["rss_mb"] is None
+        envs.reset(seed=0)
+        for _ in range(3):
+            envs.step(np.zeros(2, np.int64))
+        worker = envs.worker_info[0]
+        assert worker["rss_mb"] > 10 and worker["cpu_s"] > 0
+        assert worker["env_step_ms"]["p50"] >= 5.0

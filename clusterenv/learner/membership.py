@@ -22,7 +22,7 @@ import zmq
 from clusterenv.errors import WorkerStartError
 from clusterenv.launch.launchers import LocalLauncher
 from clusterenv.learner.pool_state import LIVENESS_POLL_S, OnLoss, PoolState
-from clusterenv.wire.messages import EnvsMeta, HelloMeta, InitMeta, meta_of
+from clusterenv.wire.messages import EnvsMeta, HelloMeta, InitMeta, UsageReport, meta_of
 from clusterenv.wire.processes import resource_usage
 from clusterenv.wire.protocol import Kind, Message
 
@@ -277,17 +277,27 @@ class Membership(PoolState):
                     "lost_because": self._retired.get(process),
                     "silent_s": None if process in self._retired else self._monitor.silence(process),
                     "latency_ms": _percentiles(latencies),
-                    "env_step_ms": _env_step_times([self._env_step_ms[w] for w in serves if w in self._env_step_ms]),
-                    **self._usage(process),
+                    "env_step_ms": _env_step_times([self._usage[w] for w in serves if w in self._usage]),
+                    **self._resources(process),
                 }
             )
         return described
 
-    def _usage(self, process: int) -> dict[str, float | None]:
-        """CPU seconds and resident MB of a worker process this learner started (with its env processes), else ``None``."""
+    def _resources(self, process: int) -> dict[str, float | None]:
+        """CPU seconds and resident MB of a worker process with its env processes.
+
+        Read now from ``/proc`` for a process this learner started, else as the process last reported
+        them (``None`` before its first report, or where it has no ``/proc``).
+        """
         pid = self.local_pids().get(process)
         usage = None if pid is None else resource_usage(pid)
-        return {"cpu_s": None if usage is None else usage.cpu_s, "rss_mb": None if usage is None else usage.rss_mb}
+        if usage is not None:
+            return {"cpu_s": usage.cpu_s, "rss_mb": usage.rss_mb}
+        report = self._usage.get(process)
+        return {
+            "cpu_s": None if report is None else report["cpu_s"],
+            "rss_mb": None if report is None else report["rss_mb"],
+        }
 
     @property
     def starts_local_workers(self) -> bool:
@@ -307,11 +317,12 @@ class Membership(PoolState):
         return self.serving.get(worker_id) == worker_id and list(self.serving.values()).count(worker_id) == 1
 
 
-def _env_step_times(reports: list[list[float]]) -> dict[str, float] | None:
-    """A process's env step times from its workers' last reports (the largest, if it serves several)."""
-    if not reports:
+def _env_step_times(reports: list[UsageReport]) -> dict[str, float] | None:
+    """A process's env step times from its workers' last reports (the slowest, if it serves several)."""
+    times = [report["env_step_ms"] for report in reports if report["env_step_ms"] is not None]
+    if not times:
         return None
-    p50, p95, samples = max(reports, key=lambda report: report[1])
+    p50, p95, samples = max(times, key=lambda t: t[1])
     return {"p50": p50, "p95": p95, "samples": int(samples)}
 
 

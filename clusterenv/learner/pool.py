@@ -34,7 +34,7 @@ from clusterenv.learner.recovery import Recovery
 from clusterenv.learner.timing import StepTiming
 from clusterenv.wire.cleanup import remove_stale_dirs
 from clusterenv.wire.liveness import Heartbeat, heartbeat_address
-from clusterenv.wire.messages import EnvsMeta
+from clusterenv.wire.messages import EnvsMeta, UsageReport
 from clusterenv.wire.protocol import Kind, Message
 from clusterenv.wire.safe_pickle import loader
 from clusterenv.wire.transport import Channel, Curve, is_loopback, resolve_secret
@@ -165,7 +165,7 @@ class WorkerPool(Membership, Recovery):
         self._latencies: collections.defaultdict[int, collections.deque[float]] = collections.defaultdict(
             lambda: collections.deque(maxlen=LATENCY_WINDOW)
         )
-        self._env_step_ms: dict[int, list[float]] = {}
+        self._usage: dict[int, UsageReport] = {}
         self._restart_hooks: list[Callable[[int], None]] = []
         self._interrupted: set[int] = set()
         self._awaiting: set[int] = set()  # workers whose latest command has had no reply yet
@@ -381,8 +381,8 @@ class WorkerPool(Membership, Recovery):
                 raise self._remote_error(worker_id, msg, doing, close=errors_close)
             if worker_id in self._sent_at:
                 self._latencies[worker_id].append(time.monotonic() - self._sent_at[worker_id])
-            if "env_step_ms" in msg.meta:
-                self._env_step_ms[worker_id] = msg.meta["env_step_ms"]
+            if "usage" in msg.meta:
+                self._usage[worker_id] = msg.meta["usage"]
             self._awaiting.discard(worker_id)
             return worker_id, msg
         return None

@@ -20,7 +20,7 @@ import numpy as np
 from clusterenv.launch.launchers import Launcher
 from clusterenv.learner.heartbeat_monitor import HeartbeatMonitor
 from clusterenv.wire.liveness import Heartbeat
-from clusterenv.wire.messages import EnvsMeta
+from clusterenv.wire.messages import EnvsMeta, UsageReport
 from clusterenv.wire.protocol import Kind, Message
 from clusterenv.wire.transport import Channel
 
@@ -88,7 +88,7 @@ class PoolState:
     _init_commands: dict[int, tuple[EnvsMeta, list[bytes]]]
     _last_sent: dict[int, SentCommand]
     _latencies: collections.defaultdict[int, collections.deque[float]]  # seconds from command to reply
-    _env_step_ms: dict[int, list[float]]  # each worker's last report of its env step times: [p50, p95, samples]
+    _usage: dict[int, UsageReport]  # each worker's last report of what its process uses
     _restart_hooks: list[Callable[[int], None]]
     _interrupted: set[int]
     _awaiting: set[int]  # workers whose latest command has had no reply yet

@@ -32,6 +32,7 @@ __all__ = [
     "RolloutAheadMeta",
     "RolloutMeta",
     "ResultMeta",
+    "UsageReport",
     "RolloutResultMeta",
     "SetPolicyMeta",
     "ShareObsMeta",
@@ -166,11 +167,18 @@ class ErrorMeta(Empty):
     traceback: str
 
 
+class UsageReport(TypedDict):
+    """What a worker process uses, sent with a reply at most once a second (``None``: not known there)."""
+
+    env_step_ms: list[float] | None  # [p50, p95, samples] of its recent env steps
+    cpu_s: float | None  # CPU seconds so far, with its env processes
+    rss_mb: float | None  # resident memory now, with its env processes
+
+
 class ResultMeta(Empty):
     """RESULT: observations, rewards and flags are the arrays; infos in a blob."""
 
-    #: The worker's env step times, at most once a second: ``[p50 ms, p95 ms, samples]``.
-    env_step_ms: NotRequired[list[float]]
+    usage: NotRequired[UsageReport]
 
 
 class RolloutResultMeta(Empty):
@@ -180,7 +188,7 @@ class RolloutResultMeta(Empty):
     kl: float | None  # the KL measured at the rollout's start
     restarted: bool  # the envs are a replacement's: their episodes started anew
     rollout_id: NotRequired[int]  # for ROLLOUT_AHEAD
-    env_step_ms: NotRequired[list[float]]  # as in ResultMeta
+    usage: NotRequired[UsageReport]  # as in ResultMeta
 
 
 class WeightsRequestMeta(Empty):

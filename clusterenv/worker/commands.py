@@ -173,8 +173,8 @@ class Worker:
         blobs = [b""] if not log else [dumps(pack_infos(log, self.envs.num_envs))]
         if not self.array_obs:
             blobs.append(dumps(self.envs.env_observations()))
-        step_times = self.envs.step_clock.report()  # once a second at most
-        return Message(Kind.RESULT, {} if step_times is None else ResultMeta(env_step_ms=step_times), arrays, blobs)
+        usage = self.envs.step_clock.report()  # once a second at most
+        return Message(Kind.RESULT, {} if usage is None else ResultMeta(usage=usage), arrays, blobs)
 
     def reset(self, msg: Message) -> Message:
         """Reset the envs (those in the mask, if any) with their seeds, and one options dict or one per env."""

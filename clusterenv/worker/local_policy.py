@@ -226,8 +226,8 @@ class _WorkerPolicy:
         next_obs = [np.array(current)] if single else [np.array(leaf) for leaf in leaf_arrays(space, current)]
         blobs = [cloudpickle.dumps([pack_infos(log, envs.num_envs) for log in info_logs]) if any(info_logs) else b""]
         meta = RolloutResultMeta(version=policy.version, kl=request["kl"], restarted=restarted)
-        if (step_times := envs.step_clock.report()) is not None:  # once a second at most
-            meta["env_step_ms"] = step_times
+        if (usage := envs.step_clock.report()) is not None:  # once a second at most
+            meta["usage"] = usage
         return Message(Kind.ROLLOUT_RESULT, meta, rollout_frames(obs, out, next_obs), blobs), obs
 
 

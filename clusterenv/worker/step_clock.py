@@ -6,15 +6,20 @@ from reaching one env to reaching the next is that env's step, plus Gymnasium's 
 bookkeeping for it; the last env's ends when the batch step returns. An autoreset inside a
 step (``SAME_STEP``) is timed as a step of its own. One ``perf_counter`` per env step: no
 wrapper around the envs. Workers send the median and 95th percentile to the learner at most
-once a second, with a reply they send anyway.
+once a second, with a reply they send anyway, together with the process's CPU seconds and
+resident memory (its env processes included, from ``/proc``).
 """
 
 from __future__ import annotations
 
 import collections
+import os
 import time
 
 import numpy as np
+
+from clusterenv.wire.messages import UsageReport
+from clusterenv.wire.processes import resource_usage
 
 __all__ = ["REPORT_INTERVAL_S", "StepClock"]
 
@@ -55,12 +60,20 @@ class StepClock:
         self.samples.clear()
         return samples
 
-    def report(self) -> list[float] | None:
-        """``[p50 ms, p95 ms, samples]`` once every :data:`REPORT_INTERVAL_S` when there are samples, else ``None``."""
+    def report(self) -> UsageReport | None:
+        """This process's usage, once every :data:`REPORT_INTERVAL_S` (else ``None``): step times, CPU, memory."""
         now = time.monotonic()
-        if now < self._report_due or not self.samples:
+        if now < self._report_due:
             return None
-        self._report_due = now + REPORT_INTERVAL_S
-        values = np.fromiter(self.samples, dtype=np.float64) * 1000.0
-        p50, p95 = np.percentile(values, [50, 95]).tolist()
-        return [p50, p95, float(len(values))]
+        # Until the first env steps, every reply reports (a run's first steps then come with times).
+        self._report_due = now + REPORT_INTERVAL_S if self.samples else now
+        step_ms = None
+        if self.samples:
+            values = np.fromiter(self.samples, dtype=np.float64) * 1000.0
+            step_ms = [*np.percentile(values, [50, 95]).tolist(), float(len(values))]
+        usage = resource_usage(os.getpid())  # with its env processes; None without /proc
+        return UsageReport(
+            env_step_ms=step_ms,
+            cpu_s=None if usage is None else usage.cpu_s,
+            rss_mb=None if usage is None else usage.rss_mb,
+        )
