@@ -49,6 +49,7 @@ from learner_cpu import _check, _frames, floor_worker, worker_router  # noqa: E4
 from report import command_line  # noqa: E402
 
 from clusterenv import ClusterEnv  # noqa: E402
+from clusterenv.wire.processes import descendants  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 CORES = len(os.sched_getaffinity(0))
@@ -129,19 +130,6 @@ class Args:
 
 
 # -- reading /proc ----------------------------------------------------------------------------
-def _descendants(pid: int) -> list[int]:
-    found = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                children = [int(c) for c in f.read().split()]
-        except FileNotFoundError:
-            continue
-        for child in children:
-            found += [child, *_descendants(child)]
-    return found
-
-
 def _thread_cpu(pid: int) -> dict[tuple[int, int], tuple[str, float]]:
     """``{(pid, tid): (column, CPU seconds)}`` for every thread of process ``pid`` (``schedstat``: nanoseconds)."""
     owner = "learner" if pid == os.getpid() else "workers"
@@ -166,7 +154,7 @@ def cpu_by_column() -> Iterator[dict[str, float]]:
 
     def snapshot() -> dict[tuple[int, int], tuple[str, float]]:
         threads: dict[tuple[int, int], tuple[str, float]] = {}
-        for pid in [os.getpid(), *_descendants(os.getpid())]:
+        for pid in [os.getpid(), *descendants(os.getpid())]:
             try:
                 threads.update(_thread_cpu(pid))
             except FileNotFoundError:

@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 from clusterenv.wire.transport import SECRET_ENV_VAR
 
-__all__ = ["ResourceUsage", "child_environment", "resource_usage"]
+__all__ = ["ResourceUsage", "child_environment", "descendants", "resource_usage"]
 
 # The processes are the parallelism: a math library's own threads in each only oversubscribe the cores.
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -44,7 +44,7 @@ def resource_usage(pid: int) -> ResourceUsage | None:
     """
     ticks = 0
     pages = 0
-    for i, process in enumerate([pid, *_descendants(pid)]):
+    for i, process in enumerate([pid, *descendants(pid)]):
         try:
             with open(f"/proc/{process}/stat") as f:
                 fields = f.read().rpartition(")")[2].split()  # the name before ")" may hold spaces
@@ -59,7 +59,8 @@ def resource_usage(pid: int) -> ResourceUsage | None:
     return ResourceUsage(ticks / os.sysconf("SC_CLK_TCK"), pages * os.sysconf("SC_PAGE_SIZE") / 2**20)
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
+    """The pids of process ``pid``'s children, theirs, and so on (``/proc``; empty where there is none)."""
     found: list[int] = []
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
@@ -72,5 +73,5 @@ def _descendants(pid: int) -> list[int]:
         except OSError:
             continue
         for child in children:
-            found += [child, *_descendants(child)]
+            found += [child, *descendants(child)]
     return found
