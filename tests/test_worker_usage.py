@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from clusterenv import ClusterEnv
+from clusterenv.wire.messages import usage_report
 from tests.envs import BusyEnv, LeakyCartPole, SlowEnv
 from tests.test_remote import FAST, SECRET, free_address, worker_command
 from tests.test_remote import spawn as spawn  # a fixture
@@ -103,3 +104,19 @@ def test_workers_started_elsewhere_report_their_own_cpu_memory_and_step_times(sp
         worker = envs.worker_info[0]
         assert worker["rss_mb"] > 10 and worker["cpu_s"] > 0
         assert worker["env_step_ms"]["p50"] >= 5.0
+
+
+@pytest.mark.parametrize(
+    "report",
+    [
+        "not a dict",
+        {"env_step_ms": [1.0, 2.0], "cpu_s": 1.0, "rss_mb": 2.0},
+        {"env_step_ms": [1.0, "x", 3.0], "cpu_s": 1.0, "rss_mb": 2.0},
+        {"env_step_ms": None, "cpu_s": float("nan"), "rss_mb": 2.0},
+        {"env_step_ms": None, "cpu_s": 1.0, "rss_mb": 2.0, "extra": 1},
+        {"env_step_ms": None, "cpu_s": True, "rss_mb": 2.0},
+    ],
+)
+def test_a_malformed_usage_report_is_ignored_not_shown(report):
+    assert usage_report(report) is None
+    assert usage_report({"env_step_ms": [1.0, 2.0, 30.0], "cpu_s": 1.0, "rss_mb": None}) is not None

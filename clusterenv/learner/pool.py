@@ -34,7 +34,7 @@ from clusterenv.learner.recovery import Recovery
 from clusterenv.learner.timing import StepTiming
 from clusterenv.wire.cleanup import remove_stale_dirs
 from clusterenv.wire.liveness import Heartbeat, heartbeat_address
-from clusterenv.wire.messages import EnvsMeta, UsageReport
+from clusterenv.wire.messages import EnvsMeta, UsageReport, usage_report
 from clusterenv.wire.protocol import Kind, Message
 from clusterenv.wire.safe_pickle import loader
 from clusterenv.wire.transport import Channel, Curve, is_loopback, resolve_secret
@@ -381,8 +381,8 @@ class WorkerPool(Membership, Recovery):
                 raise self._remote_error(worker_id, msg, doing, close=errors_close)
             if worker_id in self._sent_at:
                 self._latencies[worker_id].append(time.monotonic() - self._sent_at[worker_id])
-            if "usage" in msg.meta:
-                self._usage[worker_id] = msg.meta["usage"]
+            if "usage" in msg.meta and (usage := usage_report(msg.meta["usage"])) is not None:
+                self._usage[worker_id] = usage
             self._awaiting.discard(worker_id)
             return worker_id, msg
         return None

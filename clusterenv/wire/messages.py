@@ -12,6 +12,7 @@ message is for (or from) when the process that receives (or sends) it runs more 
 worker's envs: the envs of lost workers re-homed onto it (``on_worker_failure="rehome"``).
 """
 
+import math
 from collections.abc import Mapping
 from typing import Any, TypeVar, cast
 
@@ -33,6 +34,7 @@ __all__ = [
     "RolloutMeta",
     "ResultMeta",
     "UsageReport",
+    "usage_report",
     "RolloutResultMeta",
     "SetPolicyMeta",
     "ShareObsMeta",
@@ -173,6 +175,25 @@ class UsageReport(TypedDict):
     env_step_ms: list[float] | None  # [p50, p95, samples] of its recent env steps
     cpu_s: float | None  # CPU seconds so far, with its env processes
     rss_mb: float | None  # resident memory now, with its env processes
+
+
+def usage_report(value: Any) -> UsageReport | None:
+    """``value`` if it is a well-formed :class:`UsageReport` (numbers where numbers go), else ``None``.
+
+    Reports come from workers, some started elsewhere: a malformed one is ignored, never shown.
+    """
+
+    def number(x: Any) -> bool:
+        return x is None or (type(x) in (int, float) and math.isfinite(x))
+
+    if not isinstance(value, dict) or set(value) != {"env_step_ms", "cpu_s", "rss_mb"}:
+        return None
+    step_ms = value["env_step_ms"]
+    if step_ms is not None and not (isinstance(step_ms, list) and len(step_ms) == 3 and all(map(number, step_ms))):
+        return None
+    if step_ms is not None and None in step_ms:
+        return None
+    return cast(UsageReport, value) if number(value["cpu_s"]) and number(value["rss_mb"]) else None
 
 
 class ResultMeta(Empty):
