@@ -111,8 +111,10 @@ def test_fragments_carry_their_env_ids_and_continue_each_other():
             per_worker.setdefault(tuple(fragment.env_ids.tolist()), []).append(fragment)
         slices = {tuple(range(sl.start, sl.stop)) for sl in envs.worker_slices}
     assert set(per_worker) == slices
+    # A worker may deliver more than its share of the 6 fragments, plus what stop() returns (prefetch 1, one in
+    # flight): at most 8 fragments of 8 steps; each worker's must be the start of its own long trajectory.
     with cartpoles(5, 1) as envs:
-        long = PolicyRunner(envs, policy, head=Greedy(), seed=3).rollout(8 * 6)
+        long = PolicyRunner(envs, policy, head=Greedy(), seed=3).rollout(8 * 8)
     for env_ids, fragments in per_worker.items():
         for name in FIELDS:
             got = concat(fragments, name)

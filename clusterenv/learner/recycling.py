@@ -4,8 +4,9 @@ Some simulators leak memory over long runs. ``ClusterEnv(recycle=Recycle(...))``
 worker's process between steps, the way ``on_worker_failure="restart"`` replaces a lost one:
 the worker's envs are rebuilt from their factories in the new process, and the next step
 reports their cut episodes as truncated with ``infos["worker_restarted"]``. At most one
-worker is replaced per batch step (lockstep ``step``, first-ready ``send``), so the others
-go on stepping meanwhile. Workers must be the learner's own (``LocalLauncher``): resident
+worker is replaced per batch step (lockstep ``step``, first-ready ``send``), inside that
+call: a lockstep step waits for the new process; in first-ready mode the other workers'
+envs stay in flight meanwhile. Workers must be the learner's own (``LocalLauncher``): resident
 memory is read from ``/proc``, and only the learner can start the replacement.
 """
 
