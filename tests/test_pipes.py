@@ -6,7 +6,6 @@ import contextlib
 import functools
 import os
 import signal
-import socket
 import threading
 import time
 
@@ -111,10 +110,10 @@ def test_a_frozen_worker_cannot_hang_the_learner_with_a_large_command():
                 os.kill(frozen, signal.SIGCONT)
 
 
-def test_pipes_are_not_inherited_by_what_env_code_starts():
+def test_pipe_ends_are_not_inherited_by_processes_env_code_starts():
+    """The launcher passes the child its end explicitly; nothing else, and no grandchild, gets either end."""
     ours, theirs = pipe_pair()
     assert not os.get_inheritable(ours.fileno()) and not os.get_inheritable(theirs.fileno())
-    assert isinstance(ours, socket.socket)
     ours.close()
     theirs.close()
 
@@ -185,3 +184,15 @@ def test_a_read_without_waiting_takes_what_has_arrived():
     finally:
         writer.close()
         reader.close()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/fdinfo"), reason="reads /proc")
+def test_a_worker_marks_its_end_close_on_exec_so_env_code_cannot_pass_it_on():
+    with ClusterEnv([functools.partial(SpriteEnv, 16)] * 2, num_workers=2) as envs:
+        for worker in envs.worker_info:
+            with open(f"/proc/{worker['pid']}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            fd = int(argv[argv.index(b"--connect") + 1].decode().removeprefix("pipe://"))
+            with open(f"/proc/{worker['pid']}/fdinfo/{fd}") as f:
+                flags = int(next(line for line in f if line.startswith("flags:")).split()[1], 8)
+            assert flags & os.O_CLOEXEC
