@@ -47,7 +47,7 @@ def test_a_large_command_and_a_large_reply_crossing_do_not_wait_on_each_other():
     """The learner's end never blocks: what the kernel does not take waits until the learner reads."""
     ours, theirs = pipe_pair()
     context = zmq.Context()
-    learner = LearnerPipes(context.socket(zmq.PULL), 64 * MB)  # no ZeroMQ peer: only the pipe speaks
+    learner = LearnerPipes(context.socket(zmq.PULL), lambda: None, 64 * MB)  # no ZeroMQ peer: only the pipe speaks
     learner.add(ours)
     worker = Pipe(theirs, 64 * MB, blocking=True)
     worker.write([b"worker-0"])  # its routing id

@@ -306,9 +306,10 @@ class Membership(PoolState):
 
     def local_pids(self) -> dict[int, int]:
         """``{worker id: pid}`` of the live worker processes this learner started, as each joined."""
-        if not self.starts_local_workers:
+        launcher = self.launcher
+        if not isinstance(launcher, LocalLauncher):
             return {}
-        started = {p.pid for p in self.launcher.processes.values()}  # type: ignore[attr-defined]
+        started = {p.pid for p in launcher.processes.values()}
         pids = {process: info.get("pid") for process, info in self._info.items() if process not in self._retired}
         return {process: pid for process, pid in pids.items() if isinstance(pid, int) and pid in started}
 

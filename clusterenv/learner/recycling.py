@@ -65,7 +65,6 @@ class Recycler:
         self.pool = pool
         self.env_steps: dict[int, int] = {}  # per worker, since its process started
         self.rss_mb: dict[int, float] = {}  # per worker, at the last reading
-        self.recycled = 0
         self._read_due = 0.0
 
     def stepped(self, counts: Mapping[int, int]) -> None:
@@ -109,4 +108,3 @@ class Recycler:
         self.pool.replace(worker_id, f"recycling (after {self.env_steps.get(worker_id, 0)} env steps)")
         self.env_steps[worker_id] = 0
         self.rss_mb.pop(worker_id, None)
-        self.recycled += 1

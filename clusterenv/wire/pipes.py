@@ -29,7 +29,7 @@ import select
 import socket
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
@@ -184,28 +184,11 @@ class Pipe:
         A blocking end waits until it is written; a non-blocking end keeps what the kernel does
         not take yet, in order, for :meth:`flush` (as a ZeroMQ socket's queue does).
         """
-        buffers = _record(frames)
-        if self._unsent:
-            self._unsent += buffers
-            self.flush()
-            return
-        while True:
-            try:
-                sent = self.sock.sendmsg(buffers)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError as exc:
-                self.close()
-                raise PipeClosed(f"The other end of the pipe is gone ({exc}).") from None
-            buffers = _advance(buffers, sent)
-            if not buffers:
-                return
-            if not self.sock.getblocking():
-                self._unsent = buffers
-                return
+        self._unsent += _record(frames)
+        self.flush()
 
     def flush(self) -> None:
-        """Write what the kernel takes now of what waits (non-blocking ends)."""
+        """Write what waits: all of it on a blocking end, what the kernel takes now on a non-blocking one."""
         while self._unsent:
             try:
                 sent = self.sock.sendmsg(self._unsent[:_MAX_IOV])
@@ -230,12 +213,18 @@ class LearnerPipes:
     first record is its worker's routing id, which routes the learner's messages back to it.
     """
 
-    def __init__(self, zmq_socket: zmq.Socket, max_record_bytes: int) -> None:
+    def __init__(
+        self,
+        zmq_socket: zmq.Socket,
+        take_from_socket: Callable[[], tuple[bytes | None, list[Any]] | None],
+        max_record_bytes: int,
+    ) -> None:
         self._zmq_socket = zmq_socket
+        self._take_from_socket = take_from_socket  # one message that has arrived on the socket, else None
         self.max_record_bytes = max_record_bytes
         self._by_fd: dict[int, Pipe] = {}
         self._by_identity: dict[bytes, Pipe] = {}
-        self._inbox: collections.deque[tuple[bytes, list[Any]]] = collections.deque()
+        self._inbox: collections.deque[tuple[bytes | None, list[Any]]] = collections.deque()
         self._poller = zmq.Poller()
         self._poller.register(zmq_socket, zmq.POLLIN)
 
@@ -317,7 +306,7 @@ class LearnerPipes:
         pipe.identity = identity
         self._by_identity[identity] = pipe
 
-    def recv(self, timeout_ms: int) -> tuple[bytes, list[Any]] | None:
+    def recv(self, timeout_ms: int) -> tuple[bytes | None, list[Any]] | None:
         """The next message from a pipe or from the ZeroMQ socket within ``timeout_ms`` (-1: forever)."""
         deadline = None if timeout_ms < 0 else time.monotonic() + timeout_ms / 1000
         while not self._inbox:
@@ -337,14 +326,8 @@ class LearnerPipes:
         return self._inbox.popleft()
 
     def _take_zmq(self) -> None:
-        socket_ = self._zmq_socket
         for _ in range(_MAX_ZMQ_PER_POLL):
-            try:
-                frame = socket_.recv(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            message = self._take_from_socket()
+            if message is None:
                 return
-            frames = [frame]
-            while frame.more:
-                frame = socket_.recv(copy=False)
-                frames.append(frame)
-            self._inbox.append((frames[0].bytes, frames[1:]))
+            self._inbox.append(message)

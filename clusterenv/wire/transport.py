@@ -34,6 +34,7 @@ array frames with it (:mod:`clusterenv.wire.codecs`). On ``ipc://`` nothing is c
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import os
@@ -363,7 +364,8 @@ class Channel:
     def add_pipe(self, sock: pysocket.socket) -> None:
         """Learner: take its end of the pipe to a worker it is starting (the worker joins over it)."""
         if self.pipes is None:
-            self.pipes = LearnerPipes(self.zmq_socket, self.max_message_bytes)
+            take = functools.partial(self._socket_message, zmq.NOBLOCK, True)
+            self.pipes = LearnerPipes(self.zmq_socket, take, self.max_message_bytes)
         self.pipes.add(sock)
 
     @property
@@ -425,6 +427,14 @@ class Channel:
         """Whether the learner talks to ``peer`` over a pipe: nothing to compress, and its arrays need no MAC."""
         return self.pipes is not None and peer in self.pipes
 
+    def _covers_arrays(self, peer: bytes | None) -> bool:
+        """Whether messages to and from ``peer`` MAC their array frames too (not on ``ipc://``, Curve or a pipe)."""
+        return self.cover_arrays and not self._on_pipe(peer)
+
+    def _codec(self, peer: bytes | None) -> str | None:
+        """The codec of large array frames to and from ``peer`` (none on a pipe)."""
+        return None if self._on_pipe(peer) else self.compression
+
     def _encode(
         self,
         session: Session,
@@ -442,8 +452,8 @@ class Channel:
             blobs,
             key=session.send_key,
             counter=session.sent,
-            cover_arrays=self.cover_arrays and not self._on_pipe(to),
-            compression=None if self._on_pipe(to) else self.compression,
+            cover_arrays=self._covers_arrays(to),
+            compression=self._codec(to),
         )
 
     def _send(
@@ -514,9 +524,7 @@ class Channel:
                     if hello is not None:
                         return sender, hello
                 else:
-                    counter, n_arrays = verify(
-                        frames, key=session.recv_key, cover_arrays=self.cover_arrays and not self._on_pipe(sender)
-                    )
+                    counter, n_arrays = verify(frames, key=session.recv_key, cover_arrays=self._covers_arrays(sender))
                     if counter <= session.received:
                         raise ProtocolError(
                             f"Message counter {counter} is not above the last one received ({session.received}): "
@@ -534,9 +542,7 @@ class Channel:
         if sender is not None and sender in self._pending:  # the learner awaits this peer's JOIN
             session, hello = self._pending[sender]
             try:
-                counter, n_arrays = verify(
-                    frames, key=session.recv_key, cover_arrays=self.cover_arrays and not self._on_pipe(sender)
-                )
+                counter, n_arrays = verify(frames, key=session.recv_key, cover_arrays=self._covers_arrays(sender))
             except ProtocolError:
                 pass  # not the JOIN: maybe a new HELLO, checked below
             else:
@@ -548,9 +554,7 @@ class Channel:
                 return hello
         if not self.accept_joins and self._hello_nonce is None:
             raise ProtocolError("The peer has not joined.")
-        _, n_arrays = verify(
-            frames, key=self._hello_session().recv_key, cover_arrays=self.cover_arrays and not self._on_pipe(sender)
-        )
+        _, n_arrays = verify(frames, key=self._hello_session().recv_key, cover_arrays=self._covers_arrays(sender))
         msg = _decoded(frames, n_arrays, PRE_JOIN_BYTES)
         if sender is None:  # a worker: the learner's WELCOME
             nonce = msg.meta.get("nonce")
@@ -584,8 +588,7 @@ class Channel:
         hello = Message(msg.kind, {key: value for key, value in msg.meta.items() if key != "nonce"})
         self._pending[sender] = (session, hello)
         try:
-            compression = None if self._on_pipe(sender) else self.compression
-            welcome = WelcomeMeta(nonce=learner_nonce, echo=nonce, compression=compression)
+            welcome = WelcomeMeta(nonce=learner_nonce, echo=nonce, compression=self._codec(sender))
             self._send(self._hello_session(), Kind.WELCOME, welcome, (), (), sender)
         except zmq.ZMQError:
             del self._pending[sender]  # gone already
@@ -604,12 +607,16 @@ class Channel:
             return None if record is None else (None, record)
         if self.pipes:
             return self.pipes.recv(timeout_ms)
-        socket = self.zmq_socket
         if timeout_ms != self._rcvtimeo:
-            socket.setsockopt(zmq.RCVTIMEO, timeout_ms)
+            self.zmq_socket.setsockopt(zmq.RCVTIMEO, timeout_ms)
             self._rcvtimeo = timeout_ms
+        return self._socket_message(0, routed)
+
+    def _socket_message(self, flags: int, routed: bool) -> tuple[bytes | None, list[Any]] | None:
+        """``(sender, frames)`` of one message from the ZeroMQ socket (``zmq.NOBLOCK``: only if one has arrived)."""
+        socket = self.zmq_socket
         try:
-            frame = socket.recv(copy=False)
+            frame = socket.recv(flags, copy=False)
         except zmq.Again:
             return None
         frames: list[Any] = [frame]
