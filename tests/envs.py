@@ -541,3 +541,104 @@ class LeakyCartPole(gym.Wrapper):
     def step(self, action):
         self.kept.append(bytearray(b"\x01" * self.chunk))  # written, so resident
         return self.env.step(action)
+
+
+class UnprintableError(Exception):
+    """An exception whose ``__str__`` raises, as some wrappers of C++ simulators' errors do."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("__str__ of a simulator's error failed")
+
+
+class UnpicklableArgsError(Exception):
+    """An exception holding a lock: it does not pickle."""
+
+
+# Whether this process's OddErrorEnv has raised: once per process, so that a rebuilt env (on_env_error="reset")
+# carries on.
+_odd_error_raised = False
+
+
+def odd_exception(kind: str, size: int, worker_only_dir: str) -> Exception:
+    """An exception of one of the kinds users' envs raise that are hard to carry (see test_error_delivery.py)."""
+    if kind == "huge":
+        return ValueError("x" * size)
+    if kind == "unprintable":
+        return UnprintableError("boom")
+    if kind == "unpicklable":
+        import threading
+
+        return UnpicklableArgsError(threading.Lock())
+    if kind == "worker_only":  # a class the learner cannot import: its module is on the worker's path only
+        import importlib
+        import sys
+
+        if worker_only_dir not in sys.path:
+            sys.path.insert(0, worker_only_dir)
+        return importlib.import_module("worker_only_errors").WorkerOnlyError("only the worker knows this class")
+    if kind == "chained":
+        try:
+            raise KeyError("the inner cause")
+        except KeyError as inner:
+            outer = RuntimeError("the outer error")
+            outer.__cause__ = inner
+            return outer
+    raise ValueError(f"unknown kind {kind!r}")
+
+
+class OddErrorEnv(gym.Env):
+    """CartPole-shaped; raises an :func:`odd_exception` from ``reset`` or at step ``at_step``, once per process."""
+
+    observation_space = spaces.Box(-1, 1, (4,), np.float32)
+    action_space = spaces.Discrete(2)
+
+    def __init__(
+        self, kind: str, phase: str, at_step: int, size: int = 0, worker_only_dir: str = "", delay: float = 0.0
+    ) -> None:
+        self.kind, self.phase, self.at_step = kind, phase, at_step
+        self.size, self.worker_only_dir, self.delay = size, worker_only_dir, delay
+        self.t = 0
+
+    def _maybe_raise(self, phase: str) -> None:
+        global _odd_error_raised
+        if phase == self.phase and not _odd_error_raised and (phase == "reset" or self.t >= self.at_step):
+            _odd_error_raised = True
+            time.sleep(self.delay)
+            raise odd_exception(self.kind, self.size, self.worker_only_dir)
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self.t = 0
+        self._maybe_raise("reset")
+        return np.zeros(4, np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        self._maybe_raise("step")
+        return np.full(4, self.t / 100, np.float32), 1.0, False, False, {}
+
+
+class EmptyLeafEnv(gym.Env):
+    """A Dict observation: a 96x96 RGB image beside a Box of shape ``(0,)``, and infos of ``info_bytes`` bytes."""
+
+    observation_space = spaces.Dict(
+        {"image": spaces.Box(0, 255, (96, 96, 3), np.uint8), "empty": spaces.Box(-1, 1, (0,), np.float32)}
+    )
+    action_space = spaces.Dict({"move": spaces.Discrete(3), "none": spaces.Box(-1, 1, (0,), np.float32)})
+
+    def __init__(self, info_bytes: int = 0) -> None:
+        self.info_bytes = info_bytes
+
+    def _obs(self) -> dict[str, np.ndarray]:
+        image = self.np_random.integers(0, 256, (96, 96, 3), dtype=np.uint8)
+        return {"image": image, "empty": np.zeros((0,), np.float32)}
+
+    def _info(self) -> dict[str, Any]:
+        return {"blob": self.np_random.bytes(self.info_bytes)} if self.info_bytes else {}
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        return self._obs(), self._info()
+
+    def step(self, action):
+        return self._obs(), float(action["move"]), False, False, self._info()

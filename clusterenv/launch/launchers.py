@@ -140,6 +140,7 @@ class LocalLauncher:
         kill_tree(*(process.pid for process in late))
         for process in late:
             process.wait()
+        self.processes.clear()  # all reaped: the launcher may start another ClusterEnv's workers
 
 
 class ExternalLauncher:

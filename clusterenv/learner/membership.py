@@ -87,9 +87,9 @@ class Membership(PoolState):
                 continue
             sender, msg = received
             if sender in self._peers and msg.meta.get("seq") == self.seq and msg.kind is not Kind.HELLO:
-                worker = self._worker_of(sender, msg)
-                if worker is not None:  # a streaming call goes on while one worker is replaced
-                    self._stash.append((worker, msg))
+                # A streaming call goes on while one worker is replaced: its replies (and errors) are read
+                # after the join, by the pool's one receive step.
+                self._unread.append(received)
                 continue
             if msg.kind is not Kind.HELLO or sender is None or sender in self._peers:
                 logger.warning("Ignored %s from peer %r while waiting for workers to join.", msg.kind.name, sender)

@@ -122,13 +122,13 @@ class WorkerPool(Membership, Recovery):
         if bind is None and getattr(self.launcher, "requires_tcp", False):
             bind = "tcp://127.0.0.1:*"  # workers connect from other processes that Ray starts, on this host
         remove_stale_dirs()  # of learners that were killed: a learner starting is when someone is there to do it
-        if encrypt:
-            if not hasattr(self.launcher, "encrypt"):
-                raise ValueError(
-                    f"`encrypt=True` needs a launcher with an `encrypt` attribute, to start its workers with "
-                    f"encryption; {type(self.launcher).__name__} has none."
-                )
-            self.launcher.encrypt = True
+        if encrypt and not hasattr(self.launcher, "encrypt"):
+            raise ValueError(
+                f"`encrypt=True` needs a launcher with an `encrypt` attribute, to start its workers with "
+                f"encryption; {type(self.launcher).__name__} has none."
+            )
+        if hasattr(self.launcher, "encrypt"):  # set either way: a launcher may serve one ClusterEnv after another
+            self.launcher.encrypt = encrypt
         key = key or secrets.token_hex(32).encode()
         curve = Curve.from_secret(key) if encrypt else None
         self._context = zmq.Context()
@@ -136,8 +136,8 @@ class WorkerPool(Membership, Recovery):
         self.address = self._channel.endpoint
         #: Each batch step's learner time, busy against waiting (:mod:`clusterenv.learner.timing`).
         self.timing = StepTiming(lambda: self._channel.waited_s)
-        if isinstance(self.launcher, LocalLauncher) and self.launcher.pipes and not encrypt:
-            self.launcher.attach_pipe = self._channel.add_pipe  # its children talk over pipes (wire/pipes.py)
+        if isinstance(self.launcher, LocalLauncher):  # its children talk over pipes (wire/pipes.py), unless encrypted
+            self.launcher.attach_pipe = self._channel.add_pipe if self.launcher.pipes and not encrypt else None
         try:
             self._monitor = HeartbeatMonitor(
                 self._context, heartbeat_address(bind) if bind else None, key, heartbeat, curve=curve
@@ -173,6 +173,9 @@ class WorkerPool(Membership, Recovery):
         self._early_hellos: list[tuple[bytes | None, Message]] = []
         # Replies of the current call that arrived while a gather waited for others (streaming calls).
         self._stash: list[tuple[int, Message]] = []
+        # Messages from joined workers that arrived while the pool waited for a replacement to join:
+        # read by the one receive step (_next_reply) before the channel, and checked there like any other.
+        self._unread: collections.deque[tuple[bytes | None, Message]] = collections.deque()
         self._recovering = False
         self._liveness_due = 0.0  # when receive() next checks every worker's liveness
         self._finalizer = weakref.finalize(self, _shutdown, self.launcher, self._monitor, self._channel, self._context)
@@ -366,7 +369,7 @@ class WorkerPool(Membership, Recovery):
         predecessor's loss was seen), and raises a worker's ERROR.
         """
         for _ in range(_MAX_DROPS_PER_WAIT):
-            received = self._channel.recv(wait, routed=True)
+            received = self._unread.popleft() if self._unread else self._channel.recv(wait, routed=True)
             if received is None:
                 return None
             wait = 0.0
@@ -447,6 +450,8 @@ def weak_callback(method: Callable[..., None]) -> Callable[..., None]:
 def _shutdown(launcher: Launcher, monitor: HeartbeatMonitor, channel: Channel, context: zmq.Context) -> None:
     """Last-resort cleanup, also run at interpreter exit for pools never closed."""
     launcher.stop(0.0)
+    if isinstance(launcher, LocalLauncher):
+        launcher.attach_pipe = None  # this channel's: a later ClusterEnv on the same launcher sets its own
     monitor.close()
     channel.close(linger=_CLOSE_LINGER_MS)
     context.term()

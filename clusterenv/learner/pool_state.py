@@ -95,6 +95,7 @@ class PoolState:
     _failed: set[int]
     _early_hellos: list[tuple[bytes | None, Message]]
     _stash: list[tuple[int, Message]]  # replies of the current call that arrived while a gather waited for others
+    _unread: collections.deque[tuple[bytes | None, Message]]  # messages that arrived while a replacement joined
     _recovering: bool
 
     if TYPE_CHECKING:  # defined by the parts; declared here for the others

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from clusterenv.learner.pool import WorkerPool
+from clusterenv.learner.pool import WorkerPool, weak_callback
 from clusterenv.learner.validation import check_count, check_seconds
 from clusterenv.wire.processes import resource_usage
 
@@ -66,6 +66,8 @@ class Recycler:
         self.env_steps: dict[int, int] = {}  # per worker, since its process started
         self.rss_mb: dict[int, float] = {}  # per worker, at the last reading
         self._read_due = 0.0
+        # A worker restarted after a loss, or moved, starts its count again, as a recycled one does.
+        pool.on_restart(weak_callback(self._started_afresh))
 
     def stepped(self, counts: Mapping[int, int]) -> None:
         """Note that each worker ``w`` in ``counts`` was sent ``counts[w]`` env steps."""
@@ -106,5 +108,9 @@ class Recycler:
     def replace(self, worker_id: int) -> None:
         """A new process for ``worker_id``, its envs rebuilt; the caller reports the cut episodes."""
         self.pool.replace(worker_id, f"recycling (after {self.env_steps.get(worker_id, 0)} env steps)")
+        self._started_afresh(worker_id)
+
+    def _started_afresh(self, worker_id: int) -> None:
+        """Worker ``worker_id``'s envs were built anew in another process: counting starts from zero."""
         self.env_steps[worker_id] = 0
         self.rss_mb.pop(worker_id, None)

@@ -67,14 +67,18 @@ def _record(frames: Sequence[Any]) -> list[Any]:
 
 
 def _advance(buffers: list[Any], sent: int) -> list[Any]:
-    """What remains of ``buffers`` after the first ``sent`` bytes left."""
-    views = [memoryview(b).cast("B") for b in buffers]
-    while views and sent >= views[0].nbytes:
-        sent -= views[0].nbytes
-        views.pop(0)
-    if views and sent:
-        views[0] = views[0][sent:]
-    return views
+    """What remains of ``buffers`` after the first ``sent`` bytes left.
+
+    Buffers that left whole are dropped, empty ones (an array of shape ``(8, 0)``) with them:
+    ``memoryview.cast`` refuses a shape with a zero in it, so only the one buffer cut in the
+    middle, never empty, is cast to bytes.
+    """
+    remaining = list(buffers)
+    while remaining and sent >= memoryview(remaining[0]).nbytes:
+        sent -= memoryview(remaining.pop(0)).nbytes
+    if remaining and sent:
+        remaining[0] = memoryview(remaining[0]).cast("B")[sent:]
+    return remaining
 
 
 class PipeClosed(ConnectionError):

@@ -19,13 +19,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import gymnasium as gym
 
 from clusterenv.wire.layers import Layer
+from clusterenv.worker.failures import describe_exception
 
 __all__ = ["ENV_ERROR_KEY", "ERROR_WINDOW_STEPS", "REBUILD_ATTEMPTS", "ResettingEnv"]
 
@@ -40,8 +40,9 @@ REBUILD_ATTEMPTS = 3
 
 
 def _describe(exc: BaseException) -> dict[str, str]:
-    """What ``info["env_error"]`` says of an exception just caught."""
-    return {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
+    """What ``info["env_error"]`` says of an exception just caught (cut as an error reply is)."""
+    exc_type, message, formatted = describe_exception(exc)
+    return {"type": exc_type, "message": message, "traceback": formatted}
 
 
 class ResettingEnv(Layer):
@@ -85,7 +86,7 @@ class ResettingEnv(Layer):
         except Exception as exc:
             self._count(exc)
             self._broken = True
-            logger.debug("An env raised %s (%s); its episode ends and it is rebuilt.", type(exc).__name__, exc)
+            logger.debug("An env raised %s; its episode ends and it is rebuilt.", type(exc).__name__)
             return self._last_obs, 0.0, False, True, {ENV_ERROR_KEY: _describe(exc)}
         self._last_obs = obs
         return obs, reward, terminated, truncated, info

@@ -4,6 +4,12 @@ A worker's envs run in the worker itself or in its env processes; either way an 
 raises becomes one :class:`EnvFailure`: which env raised (found by :class:`EnvTracker`),
 the exception's type name, message and formatted traceback, and the exception pickled
 when it can be. The learner turns it into a ``RemoteEnvError`` of the original type.
+
+Capturing never fails and never exceeds the wire's limits, whatever the exception: its
+text is cut to :data:`MAX_MESSAGE_BYTES` and :data:`MAX_TRACEBACK_BYTES` (head and tail
+kept, the cut marked), a ``__str__`` that raises falls back to ``repr()`` and then to the
+type's name, and an exception that does not pickle, or pickles to more than
+:data:`MAX_PICKLED_BYTES`, travels as its type's name and its text only.
 """
 
 from __future__ import annotations
@@ -18,7 +24,26 @@ from gymnasium.vector.utils import concatenate
 from clusterenv.wire.protocol import Kind, Message
 from clusterenv.worker.step_clock import StepClock
 
-__all__ = ["EnvFailure", "EnvTracker", "TrackedEnvs", "error_reply"]
+__all__ = [
+    "MAX_MESSAGE_BYTES",
+    "MAX_PICKLED_BYTES",
+    "MAX_TRACEBACK_BYTES",
+    "EnvFailure",
+    "EnvTracker",
+    "TrackedEnvs",
+    "describe_exception",
+    "error_reply",
+]
+
+#: The most UTF-8 bytes of an env error's message that reach the learner (head and tail kept).
+MAX_MESSAGE_BYTES = 8 * 1024
+#: The most UTF-8 bytes of its formatted traceback (head and tail kept): with the message, well
+#: within the wire's 64 KiB header.
+MAX_TRACEBACK_BYTES = 32 * 1024
+#: The most bytes of the pickled exception; a larger one travels as its type's name and text.
+MAX_PICKLED_BYTES = 16 * 1024 * 1024
+# The most UTF-8 bytes of an exception type's name.
+_MAX_TYPE_NAME_BYTES = 256
 
 
 class EnvTracker:
@@ -89,15 +114,60 @@ class EnvFailure:
         if misfit is not None and _passed_through_concatenate(exc):
             found = misfit()
             index = index if found is None else found
-        try:
-            cause: bytes | None = cloudpickle.dumps(exc)
-        except Exception:
-            cause = None
-        return cls(index, type(exc).__name__, str(exc), traceback.format_exc(), cause)
+        exc_type, message, formatted = describe_exception(exc)
+        return cls(index, exc_type, message, formatted, _pickled(exc))
 
     def shifted(self, offset: int) -> EnvFailure:
         """The same failure with its env index counted ``offset`` envs further (a part within a slice)."""
         return self if self.env_index is None else replace(self, env_index=self.env_index + offset)
+
+
+def describe_exception(exc: BaseException) -> tuple[str, str, str]:
+    """``(type name, message, traceback)`` of an exception, each cut to its bound; never raises."""
+    exc_type = _clip(type(exc).__name__, _MAX_TYPE_NAME_BYTES)
+    return exc_type, _clip(_text_of(exc), MAX_MESSAGE_BYTES), _clip(_traceback_of(exc), MAX_TRACEBACK_BYTES)
+
+
+def _text_of(exc: BaseException) -> str:
+    """``str(exc)``; ``repr(exc)`` if that raises (C++ simulators' wrappers do); else the type's name."""
+    for text in (str, repr):
+        try:
+            return text(exc)
+        except Exception:
+            continue
+    return type(exc).__name__
+
+
+def _traceback_of(exc: BaseException) -> str:
+    """The exception formatted as Python prints it (with its chained causes), or as much of that as formats."""
+    try:
+        return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    except Exception:
+        try:
+            return "".join(traceback.format_tb(exc.__traceback__)) + f"{type(exc).__name__}: {_text_of(exc)}\n"
+        except Exception:
+            return ""
+
+
+def _clip(text: str, limit: int) -> str:
+    """``text`` in at most ``limit`` UTF-8 bytes: its head and tail around a marked cut; lone surrogates escaped."""
+    data = text.encode("utf-8", "backslashreplace")
+    if len(data) <= limit:
+        return data.decode("utf-8")
+    marker = f"\n[... {len(data)} bytes in all; the middle was cut ...]\n".encode()
+    keep = max(0, limit - len(marker))
+    head = data[: keep - keep // 2].decode("utf-8", "ignore")
+    tail = data[len(data) - keep // 2 :].decode("utf-8", "ignore")
+    return head + marker.decode() + tail
+
+
+def _pickled(exc: BaseException) -> bytes | None:
+    """The exception cloudpickled, if it pickles within :data:`MAX_PICKLED_BYTES`."""
+    try:
+        data = cloudpickle.dumps(exc)
+    except Exception:
+        return None
+    return data if len(data) <= MAX_PICKLED_BYTES else None
 
 
 def _passed_through_concatenate(exc: BaseException) -> bool:
