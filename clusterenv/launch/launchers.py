@@ -65,6 +65,11 @@ class LocalLauncher:
         batch_scheduling: start the workers as CPU-bound processes (Linux's ``SCHED_BATCH``,
             ``clusterenv-worker --batch-scheduling``), so that a worker woken by the learner waits
             for a free core instead of preempting the learner; their share of CPU is unchanged.
+            Workers that inherit another policy (``SCHED_IDLE``) keep it, and a policy the kernel
+            refuses is logged once; the workers run either way.
+
+    One launcher may start the workers of one ``ClusterEnv`` after another, plain or encrypted:
+    each ``ClusterEnv`` sets what it needs before starting them.
     """
 
     def __init__(self, pipes: bool = True, batch_scheduling: bool = True) -> None:
