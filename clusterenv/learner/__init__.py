@@ -1,7 +1,8 @@
 """The learner tier: the ``ClusterEnv`` vector env and everything that runs in the training process.
 
 The VectorEnv (``vector_env``) and its batch buffers (``step_buffers``), the worker pool
-(``pool``, with its parts ``membership`` and ``recovery`` and their shared ``pool_state``), first-ready batches (``first_ready``), the learner's heartbeat monitor,
+(``pool``, holding its parts ``membership`` and ``recovery``; what its commands mean on a
+loss in ``commands``), first-ready batches (``first_ready``), the learner's heartbeat monitor,
 local-policy rollouts and their prefetch stream (``rollouts``, ``rollout_batch``), and the
 checks of user input (``validation``). Workers never import it.
 """

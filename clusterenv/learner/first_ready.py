@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from clusterenv.errors import WorkerTimeoutError
-from clusterenv.learner.pool import OnLoss, WorkerPool
+from clusterenv.learner.pool import FollowUp, OnLoss, WorkerPool
 from clusterenv.learner.step_buffers import BatchBuffers, restarted_records
 from clusterenv.wire.infos import merge_infos, records_of
 from clusterenv.wire.messages import ResetMeta
@@ -148,18 +148,21 @@ class FirstReady:
         self._returned = (env_ids.copy(), plan)  # a copy: the caller may write into the env_ids it gets
         return buffers.rows(env_ids), rewards, terminations, truncations, infos, env_ids
 
-    def reset_replacement(self, pool: WorkerPool, worker_id: int) -> None:
-        """A restart hook: a replacement for a worker lost mid-``send`` is reset, and recv() reports the cut episodes.
+    def reset_replacement(self, worker_id: int) -> list[FollowUp]:
+        """For a restart hook: a replacement for a worker lost mid-``send`` is reset, and recv() reports the cut.
 
         A reset in flight needs nothing here: the pool replays it, and its seeds give the
         replacement's envs the observations the lost worker's would have had.
         """
-        if self.in_flight.get(worker_id) == "step":
-            self.reset_moved(pool, worker_id)
+        return [self.fresh_reset(worker_id)] if self.in_flight.get(worker_id) == "step" else []
+
+    def fresh_reset(self, worker_id: int) -> FollowUp:
+        """The RESET of a replaced or moved worker's fresh envs, now in flight; recv() reports the cut when it arrives."""
+        sl = self._slices[worker_id]
+        self.in_flight[worker_id] = "restarted"
+        return FollowUp(Kind.RESET, ResetMeta(seeds=[None] * (sl.stop - sl.start), mask=None), on_loss=OnLoss.REPLAY)
 
     def reset_moved(self, pool: WorkerPool, worker_id: int) -> None:
-        """Reset the fresh envs of a replaced or moved worker; recv() reports the cut episodes when they arrive."""
-        sl = self._slices[worker_id]
-        meta = ResetMeta(seeds=[None] * (sl.stop - sl.start), mask=None)
-        pool.send(worker_id, Kind.RESET, meta, on_loss=OnLoss.REPLAY)
-        self.in_flight[worker_id] = "restarted"
+        """Reset the fresh envs of a moved worker now (see :meth:`fresh_reset`)."""
+        reset = self.fresh_reset(worker_id)
+        pool.send(worker_id, reset.kind, reset.meta, on_loss=reset.on_loss)

@@ -21,7 +21,10 @@ from clusterenv.wire.liveness import (
 from clusterenv.wire.protocol import Kind, Session
 from clusterenv.wire.transport import Channel, Curve
 
-__all__ = ["HeartbeatMonitor"]
+__all__ = ["LIVENESS_POLL_S", "HeartbeatMonitor"]
+
+#: While waiting for replies or HELLOs, wake this often to notice a worker process that died.
+LIVENESS_POLL_S = 0.05
 
 # What the learner's monitor reports: a worker's connection made or dropped (the value is its fd).
 _LEARNER_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED

@@ -1,15 +1,17 @@
 """``WorkerPool``: the learner's side of its worker processes.
 
 The pool carries commands and replies; it knows nothing of environments. It owns the
-ROUTER channel, the heartbeat monitor, the launcher, which routing id is which worker,
-the per-call sequence number (a reply counts only if it answers the current call), and
-the translation of remote errors, timeouts and lost workers into exceptions.
+channel (ROUTER socket and local pipes), the heartbeat monitor, the launcher, the per-call
+sequence number (a reply counts only if it answers the current call), and the translation
+of remote errors, timeouts and lost workers into exceptions.
 :class:`~clusterenv.learner.vector_env.ClusterEnv` builds the commands and reads the replies.
 
-It is built from three parts, one module each: messaging and lifecycle (here), membership
-(:mod:`~clusterenv.learner.membership`: joining, which process serves which worker,
-rebalancing) and recovery (:mod:`~clusterenv.learner.recovery`: lost workers, restarts,
-re-homing, remote errors), which share the state declared in :mod:`~clusterenv.learner.pool_state`.
+It holds two parts, each with its own state: :attr:`WorkerPool.members`
+(:class:`~clusterenv.learner.membership.Membership`: joining, which process serves which
+worker, where envs should move) and :attr:`WorkerPool.recovery`
+(:class:`~clusterenv.learner.recovery.Recovery`: what a lost worker means, as a plan). The
+pool does the messaging itself, in one receive loop (:meth:`WorkerPool._await`) that serves
+``gather``, ``receive`` and the carrying out of recovery plans and moves; no call re-enters it.
 """
 
 from __future__ import annotations
@@ -20,17 +22,17 @@ import secrets
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import zmq
 
-from clusterenv.errors import WorkerTimeoutError
+from clusterenv.errors import ClusterEnvError, WorkerStartError, WorkerTimeoutError
 from clusterenv.launch.launchers import Launcher, LocalLauncher, resolve_launcher
-from clusterenv.learner.heartbeat_monitor import HeartbeatMonitor
-from clusterenv.learner.membership import Membership
-from clusterenv.learner.pool_state import LIVENESS_POLL_S, Command, OnLoss, SentCommand
-from clusterenv.learner.recovery import Recovery
+from clusterenv.learner.commands import Command, FollowUp, OnLoss, SentCommand
+from clusterenv.learner.heartbeat_monitor import LIVENESS_POLL_S, HeartbeatMonitor
+from clusterenv.learner.membership import Membership, Received
+from clusterenv.learner.recovery import Action, Recovery, Step, remote_error
 from clusterenv.learner.timing import StepTiming
 from clusterenv.wire.cleanup import remove_stale_dirs
 from clusterenv.wire.liveness import Heartbeat, heartbeat_address
@@ -39,7 +41,16 @@ from clusterenv.wire.protocol import Kind, Message
 from clusterenv.wire.safe_pickle import loader
 from clusterenv.wire.transport import Channel, Curve, is_loopback, resolve_secret
 
-__all__ = ["LATENCY_WINDOW", "LIVENESS_POLL_S", "Command", "OnLoss", "WorkerPool", "weak_callback"]
+__all__ = [
+    "LATENCY_WINDOW",
+    "LIVENESS_POLL_S",
+    "Command",
+    "FollowUp",
+    "OnLoss",
+    "RestartHook",
+    "WorkerPool",
+    "weak_callback",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +65,13 @@ _CLOSE_LINGER_MS = 500
 #: How many of each worker's recent replies ``worker_info``'s latency percentiles cover.
 LATENCY_WINDOW = 256
 
+#: Called with a worker's id once its envs were rebuilt in a new process or another host; returns
+#: what that process needs before the worker's pending command is recovered (see ``FollowUp``).
+RestartHook = Callable[[int], Iterable[FollowUp] | None]
+_R = TypeVar("_R")
 
-class WorkerPool(Membership, Recovery):
+
+class WorkerPool:
     """The learner's workers: start and join, send and gather, liveness, errors, close, restart.
 
     Args:
@@ -66,10 +82,10 @@ class WorkerPool(Membership, Recovery):
         heartbeat: heartbeat constants; a worker whose heartbeat connection drops (dead or frozen) is lost.
         on_worker_failure: ``"raise"``, ``"restart"`` (a new process per lost one) or ``"rehome"``
             (the lost workers' envs move to the surviving processes).
+        start_timeout: seconds for workers to join and build their envs.
         min_workers: under ``"rehome"``, the fewest surviving processes to go on with; a loss
             that leaves fewer raises ``WorkerLostError``.
         env_counts: how many envs each worker steps (re-homing balances them); default one each.
-        start_timeout: seconds for workers to join and build their envs.
         describe_work: names what a worker was running in a lost-worker error, e.g. ``"envs 4..7"``.
         trusted_classes: classes (or ``"module.Name"``) that replies from workers this pool did not
             start itself may contain, beyond data (see :mod:`clusterenv.wire.safe_pickle`).
@@ -102,12 +118,7 @@ class WorkerPool(Membership, Recovery):
                 "loopback address."
             )
         self.num_workers = num_workers
-        self.heartbeat = heartbeat
-        self.on_worker_failure = on_worker_failure
-        self.min_workers = min_workers
-        self._env_counts = list(env_counts) if env_counts is not None else [1] * num_workers
         self.start_timeout = start_timeout
-        self.describe_work = describe_work
         self.launcher: Launcher = resolve_launcher(launcher)
         if key is None and getattr(self.launcher, "needs_shared_secret", False):
             raise ValueError(
@@ -150,33 +161,41 @@ class WorkerPool(Membership, Recovery):
         #: Called once on an error that leaves the workers unusable (``terminate``: kill, don't wait).
         self.on_fatal: Callable[[bool], None] = self.close_after_error
         self.closed = False
-        # Worker → the routing id of the process serving it; routing id → that process (its own worker id).
-        self._identities: dict[int, bytes] = {}
-        self._peers: dict[bytes, int] = {}
-        #: Worker → the process serving it, named by the id it joined as (itself, unless re-homed).
-        self.serving: dict[int, int] = {}
-        self._retired: dict[int, str] = {}  # processes lost for good (rehome), with how they were lost
-        self._watched: set[int] = set()  # processes whose heartbeats the monitor watches (from their first INIT)
-        self._info: dict[int, Mapping[str, Any]] = {}  # each process's HELLO
-        self._init_commands: dict[int, tuple[EnvsMeta, list[bytes]]] = {}
+        # Messages from joined workers that arrived while the pool waited for a replacement to join:
+        # read by the one receive step (_next_reply) before the channel, and checked there like any other.
+        self._unread: collections.deque[Received] = collections.deque()
+        #: Who joined, which process serves which worker, where envs should move.
+        self.members = Membership(
+            num_workers,
+            list(env_counts) if env_counts is not None else [1] * num_workers,
+            launcher=self.launcher,
+            channel=self._channel,
+            monitor=self._monitor,
+            heartbeat=heartbeat,
+            defer=self._unread.append,
+        )
+        #: What a lost worker means, decided as a plan that :meth:`_carry_out` follows.
+        self.recovery = Recovery(
+            on_worker_failure,
+            min_workers,
+            members=self.members,
+            launcher=self.launcher,
+            monitor=self._monitor,
+            describe_work=describe_work,
+        )
         self._last_sent: dict[int, SentCommand] = {}
         self._sent_at: dict[int, float] = {}  # when each worker was last sent a command
         # Seconds from that command to the reply, per worker.
         self._latencies: collections.defaultdict[int, collections.deque[float]] = collections.defaultdict(
             lambda: collections.deque(maxlen=LATENCY_WINDOW)
         )
-        self._usage: dict[int, UsageReport] = {}
-        self._restart_hooks: list[Callable[[int], None]] = []
+        self._usage: dict[int, UsageReport] = {}  # each worker's last report of what its process uses
+        self._restart_hooks: list[RestartHook] = []
         self._interrupted: set[int] = set()
         self._awaiting: set[int] = set()  # workers whose latest command has had no reply yet
-        self._failed: set[int] = set()
-        self._early_hellos: list[tuple[bytes | None, Message]] = []
+        self._failed: set[int] = set()  # workers found lost, until recovery gives them a new host
         # Replies of the current call that arrived while a gather waited for others (streaming calls).
         self._stash: list[tuple[int, Message]] = []
-        # Messages from joined workers that arrived while the pool waited for a replacement to join:
-        # read by the one receive step (_next_reply) before the channel, and checked there like any other.
-        self._unread: collections.deque[tuple[bytes | None, Message]] = collections.deque()
-        self._recovering = False
         self._liveness_due = 0.0  # when receive() next checks every worker's liveness
         self._finalizer = weakref.finalize(self, _shutdown, self.launcher, self._monitor, self._channel, self._context)
 
@@ -189,6 +208,63 @@ class WorkerPool(Membership, Recovery):
     def key(self) -> bytes:
         """The shared secret the channel authenticates with."""
         return self._channel.key
+
+    @property
+    def worker_info(self) -> list[dict[str, Any]]:
+        """What :attr:`ClusterEnv.worker_info <clusterenv.ClusterEnv.worker_info>` shows, per worker process."""
+        return self.members.describe(self._latencies, self._usage)
+
+    # -- joining and moving ----------------------------------------------------------------
+    def start(self) -> None:
+        """Start every worker through the launcher and wait for each to join.
+
+        Under ``"rehome"`` the run may start with fewer processes: if at least ``min_workers``
+        joined within ``start_timeout``, the missing workers' envs go to them, and processes
+        that connect later join through :meth:`rebalance`.
+        """
+        elastic = self.recovery.on_worker_failure == "rehome"
+        at_least = self.recovery.min_workers if elastic else None
+        self.members.start(self.address, self.key, self.start_timeout, self.seq, at_least)
+
+    def send_init(self, worker_id: int, meta: EnvsMeta, blobs: list[bytes]) -> None:
+        """Send a worker its INIT (kept, to build a replacement the same way); its heartbeats are watched from now on."""
+        self.members.keep_init(worker_id, meta, blobs)
+        self._send_init(worker_id, replacement=False)
+
+    def _send_init(self, worker_id: int, *, replacement: bool) -> None:
+        init, blobs = self.members.init_command(worker_id, replacement=replacement)
+        self.send(worker_id, Kind.INIT, init, blobs=blobs, on_loss=OnLoss.RAISE)
+
+    def rebalance(self, wait: float) -> list[int]:
+        """Admit the worker processes that connected since, then move workers' envs to even the load; the moved workers.
+
+        A process that joins asking for the id of a worker whose envs another process carries
+        gets them back first; then workers move from the most to the least loaded process
+        while that lowers the larger load (:meth:`Membership.moves_to_balance`). A moved
+        worker's envs are closed where they were and rebuilt, from the same INIT, in their new
+        process, whose restart hooks run.
+
+        Args:
+            wait: if no process has connected yet, wait up to this many seconds for one.
+        """
+        self.members.admit(wait, self.seq)
+        moved = []
+        for worker_id, target in self.members.moves_to_balance():
+            logger.info(
+                "Moving worker %d's envs (%s) to worker process %d.",
+                worker_id,
+                self.recovery.describe_work(worker_id),
+                target,
+            )
+            # A CLOSE naming a worker the process serves for another: it closes those envs and stays.
+            self.send(worker_id, Kind.CLOSE)
+            self.members.assign(worker_id, target)
+            doing = f"rebuilding the envs of worker {worker_id} in worker {target}"
+            lost = self._rebuild(worker_id, doing)
+            if lost:  # the new host was lost while building them: recovered as any loss, nothing pending
+                self._carry_out(self.recovery.plan(lost, self._last_sent, idle=lost), {}, doing)
+            moved.append(worker_id)
+        return moved
 
     # -- commands --------------------------------------------------------------------------
     def new_call(self) -> int:
@@ -221,13 +297,13 @@ class WorkerPool(Membership, Recovery):
         weights answering its pull, the learner's probe outputs), which is recovered as that
         command declared.
         """
-        frames_for, serving, identities = self._channel.frames, self.serving, self._identities
+        members, frames_for = self.members, self._channel.frames
         encoded = [
             (
                 w,
                 None  # its process was given up (rehome): the gather that follows moves the worker
-                if serving[w] in self._retired
-                else frames_for(kind, self._header(w, meta), arrays, blobs, to=identities[w]),
+                if members.serving[w] in members.retired
+                else frames_for(kind, self._header(w, meta), arrays, blobs, to=members.identities[w]),
             )
             for w, (meta, arrays, blobs) in commands.items()
         ]
@@ -243,18 +319,17 @@ class WorkerPool(Membership, Recovery):
                 self._failed.add(worker_id)
                 continue
             try:
-                self._channel.send_frames(frames, to=self._identities[worker_id])
+                self._channel.send_frames(frames, to=members.identities[worker_id])
             except zmq.ZMQError as exc:
-                if self.on_worker_failure != "raise" and not self._recovering:
-                    logger.warning("Worker %d is unreachable (%s); it is taken as lost.", worker_id, exc)
-                    self._failed.add(worker_id)
-                    continue
-                raise self._lost(worker_id, f"sending {kind.name}") from exc
+                if self.recovery.on_worker_failure == "raise":
+                    raise self._fatal(self.recovery.lost_error(worker_id, f"sending {kind.name}")) from exc
+                logger.warning("Worker %d is unreachable (%s); it is taken as lost.", worker_id, exc)
+                self._failed.add(worker_id)
 
     def _header(self, worker_id: int, meta: Mapping[str, Any] | None) -> dict[str, Any]:
         """A command's meta as sent: the call number, and the worker's slot if another process serves it."""
         header = {**(meta or {}), "seq": self.seq}
-        if self.serving[worker_id] != worker_id:
+        if self.members.serving[worker_id] != worker_id:
             header["slot"] = worker_id
         return header
 
@@ -262,8 +337,8 @@ class WorkerPool(Membership, Recovery):
         """The worker a message from process ``sender`` speaks for: its own, or the slot it names if it serves that one."""
         slot = msg.meta.get("slot")
         if slot is None:
-            return self._peers.get(sender)
-        return slot if self._identities.get(slot) == sender else None
+            return self.members.peers.get(sender)
+        return slot if self.members.identities.get(slot) == sender else None
 
     def gather(
         self,
@@ -275,6 +350,10 @@ class WorkerPool(Membership, Recovery):
     ) -> dict[int, Message]:
         """One reply per worker to the current call; raises on a remote error, a lost worker or a timeout.
 
+        Every other worker's reply is collected first, so that no env's data is lost or
+        duplicated; then lost workers are recovered as :meth:`Recovery.plan` decides (a
+        replayed command's reply is among those returned).
+
         Args:
             worker_ids: the workers to wait for.
             doing: what the call does, for error messages ("stepping").
@@ -285,35 +364,10 @@ class WorkerPool(Membership, Recovery):
                 reset does); ``False`` for calls whose exception is the caller's business
                 (an attribute read), which leave every env as it was.
         """
-        worker_ids = list(worker_ids)
-        pending = set(worker_ids) - self._failed
         replies: dict[int, Message] = {}
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while pending:
-            # Checked before every receive, not only when idle, so that stray messages cannot postpone it.
-            if deadline is not None and time.monotonic() > deadline:
-                error = WorkerTimeoutError(
-                    f"Workers {sorted(pending)} did not reply within {timeout} s while {doing}. Their envs are "
-                    "now in an unknown state, so the ClusterEnv was closed. Raise `timeout` if the "
-                    "environments are this slow."
-                )
-                self.on_fatal(True)
-                raise error
-            received = self._next_reply(doing, LIVENESS_POLL_S, errors_close)
-            if received is None:
-                pending -= self._check_alive(pending, doing)
-                continue
-            worker_id, msg = received
-            if on_request is not None and worker_id in pending and on_request(worker_id, msg):
-                continue
-            if worker_id in pending:
-                pending.discard(worker_id)
-                replies[worker_id] = msg
-            else:
-                self._stash.append(received)  # a streaming call's reply, for receive()
-        lost = self._failed.intersection(worker_ids)
+        lost = self._await(set(worker_ids), replies, doing, timeout, on_request, errors_close)
         if lost:
-            self._recover(sorted(lost), replies, doing)
+            self._carry_out(self.recovery.plan(lost, self._last_sent), replies, doing)
         return replies
 
     def request(
@@ -345,10 +399,11 @@ class WorkerPool(Membership, Recovery):
             # behind busy ones.
             if time.monotonic() >= self._liveness_due:
                 self._liveness_due = time.monotonic() + LIVENESS_POLL_S
-                lost = self._check_alive(set(self._identities), doing)
+                lost = self._check_alive(set(self.members.identities), doing)
                 if lost:
                     replayed: dict[int, Message] = {}
-                    self._recover(sorted(lost), replayed, doing, frozenset(lost - self._awaiting))
+                    plan = self.recovery.plan(lost, self._last_sent, idle=lost - self._awaiting)
+                    self._carry_out(plan, replayed, doing)
                     self._stash.extend(replayed.items())
                 continue
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -359,6 +414,51 @@ class WorkerPool(Membership, Recovery):
                 return received
             if deadline is not None and time.monotonic() >= deadline and not self._stash:
                 return None
+
+    # -- the one receive loop ---------------------------------------------------------------
+    def _await(
+        self,
+        worker_ids: set[int],
+        replies: dict[int, Message],
+        doing: str,
+        timeout: float | None,
+        on_request: Callable[[int, Message], bool] | None = None,
+        errors_close: bool = True,
+    ) -> set[int]:
+        """Wait for one reply from each of ``worker_ids`` into ``replies``; the workers among them found lost.
+
+        Replies of other workers to the current call are stashed for :meth:`receive`. A loss
+        raises at once where :meth:`Recovery.raises_at_once` says so; otherwise the worker is
+        marked failed and returned, for the caller's recovery plan.
+        """
+        lost = worker_ids & self._failed  # e.g. a send that found its pipe closed
+        pending = worker_ids - lost
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pending:
+            # Checked before every receive, not only when idle, so that stray messages cannot postpone it.
+            if deadline is not None and time.monotonic() > deadline:
+                raise self._fatal(
+                    WorkerTimeoutError(
+                        f"Workers {sorted(pending)} did not reply within {timeout} s while {doing}. Their envs are "
+                        "now in an unknown state, so the ClusterEnv was closed. Raise `timeout` if the "
+                        "environments are this slow."
+                    )
+                )
+            received = self._next_reply(doing, LIVENESS_POLL_S, errors_close)
+            if received is None:
+                found = self._check_alive(pending, doing)
+                pending -= found
+                lost |= found
+                continue
+            worker_id, msg = received
+            if on_request is not None and worker_id in pending and on_request(worker_id, msg):
+                continue
+            if worker_id in pending:
+                pending.discard(worker_id)
+                replies[worker_id] = msg
+            else:
+                self._stash.append(received)  # a streaming call's reply, for receive()
+        return lost
 
     def _next_reply(self, doing: str, wait: float, errors_close: bool = True) -> tuple[int, Message] | None:
         """The one receive step: the next reply to the current call, or ``None`` if ``wait`` s passed without one.
@@ -375,13 +475,18 @@ class WorkerPool(Membership, Recovery):
             wait = 0.0
             sender, msg = received
             worker_id = None if sender is None else self._worker_of(sender, msg)
-            if worker_id is None and msg.kind is Kind.HELLO and len(self._early_hellos) < _MAX_EARLY_HELLOS:
-                self._early_hellos.append(received)
+            if (
+                worker_id is None
+                and msg.kind is Kind.HELLO
+                and self.members.keep_early_hello(received, _MAX_EARLY_HELLOS)
+            ):
                 continue
             if worker_id is None or msg.meta.get("seq") != self.seq:
                 continue  # a reply to a call that timed out earlier, or a stray peer
             if msg.kind is Kind.ERROR:
-                raise self._remote_error(worker_id, msg, doing, close=errors_close)
+                error = remote_error(worker_id, msg, doing, self.loads)
+                # The env's state is unknown after its error, so the workers are closed (unless the caller says not).
+                raise self._fatal(error, terminate=False) if errors_close else error
             if worker_id in self._sent_at:
                 self._latencies[worker_id].append(time.monotonic() - self._sent_at[worker_id])
             if "usage" in msg.meta and (usage := usage_report(msg.meta["usage"])) is not None:
@@ -389,6 +494,109 @@ class WorkerPool(Membership, Recovery):
             self._awaiting.discard(worker_id)
             return worker_id, msg
         return None
+
+    def _check_alive(self, worker_ids: set[int], doing: str) -> set[int]:
+        """Workers among ``worker_ids`` whose process is lost: raised, or (restart, rehome) returned and marked failed."""
+        lost = self.recovery.lost_among(worker_ids)
+        for w in sorted(lost):
+            if self.recovery.raises_at_once(w, self._last_sent.get(w)):
+                raise self._fatal(self.recovery.lost_error(w, doing))
+        rehome = self.recovery.on_worker_failure == "rehome"
+        action = "moving its envs to the other workers" if rehome else "replacing it"
+        for w in sorted(lost):
+            logger.warning("%s was lost while %s; %s.", self.launcher.describe(self.members.serving[w]), doing, action)
+        self._failed |= lost
+        return lost
+
+    def _fatal(self, error: ClusterEnvError, terminate: bool = True) -> ClusterEnvError:
+        """``error``, once the workers it leaves unusable are closed (``terminate``: killed, not waited for)."""
+        self.on_fatal(terminate)
+        return error
+
+    # -- recovery: carrying out the plan ------------------------------------------------------
+    def on_restart(self, hook: RestartHook) -> None:
+        """Call ``hook(worker_id)`` once a worker's envs are rebuilt elsewhere, before its pending command is recovered.
+
+        The hook returns the :class:`~clusterenv.learner.commands.FollowUp` messages the
+        new process needs (a policy runner's weights), which the pool sends, in order.
+        """
+        self._restart_hooks.append(hook)
+
+    def take_interrupted(self) -> list[int]:
+        """The workers whose :attr:`OnLoss.INTERRUPT` command a restart cut, since the last call (the sender reports them)."""
+        interrupted, self._interrupted = sorted(self._interrupted), set()
+        return interrupted
+
+    def replace(self, worker_id: int, why: str) -> None:
+        """A new process for a healthy worker whose envs are not in flight (recycling), as a restart starts one."""
+        logger.info("Worker %d: %s.", worker_id, why)
+        self._carry_out([Step(worker_id, Action.RESTART, None)], {}, why)
+
+    def _carry_out(self, plan: list[Step], replies: dict[int, Message], doing: str) -> None:
+        """Follow a recovery plan: put each lost worker's envs on a new host, then recover its pending command.
+
+        A worker lost again on the way (its replacement, or its new host) becomes one more step
+        of the plan, :meth:`Recovery.lost_again`. Replies of replayed commands go into ``replies``.
+        """
+        steps = collections.deque(plan)
+        while steps:
+            step = steps.popleft()
+            worker_id = step.worker_id
+            if step.action is Action.RAISE:
+                raise self._fatal(self.recovery.lost_error(worker_id, doing, step.why))
+            self._move_lost(step, doing)
+            if self._rebuild(worker_id, f"rebuilding the envs of worker {worker_id}"):
+                steps.appendleft(self.recovery.lost_again(step))
+                continue
+            pending = step.pending
+            if pending is None:
+                continue  # it had answered: the restart hooks decided what its envs' loss means
+            if pending.on_loss is OnLoss.INTERRUPT:
+                self._interrupted.add(worker_id)
+            elif pending.on_loss is OnLoss.REPLAY:
+                self.send(worker_id, pending.kind, pending.meta, pending.arrays, pending.blobs, pending.on_loss)
+                if self._await({worker_id}, replies, doing, self.start_timeout):
+                    steps.appendleft(self.recovery.lost_again(step))
+
+    def _move_lost(self, step: Step, doing: str) -> None:
+        """Give a lost worker a new host: a new process (restart) or the least loaded survivor (rehome)."""
+        worker_id = step.worker_id
+        if step.action is Action.RESTART:
+            logger.warning(
+                "Starting a replacement for worker %d (%s).", worker_id, self.recovery.describe_work(worker_id)
+            )
+            try:
+                self.members.restart(worker_id, self.address, self.key, self.start_timeout, self.seq)
+            except WorkerStartError as exc:  # the replacement exited, or never joined
+                why = f"{self.recovery.lost_again(step).why} ({exc})"
+                raise self._fatal(self.recovery.lost_error(worker_id, doing, why)) from exc
+        else:
+            process = self.members.serving[worker_id]
+            if process not in self.members.retired:
+                self.members.retire(process, self.recovery.how_lost(process))
+            target = self.recovery.rehome_target(worker_id)
+            logger.warning(
+                "Moving worker %d's envs (%s) to worker process %d (%s).",
+                worker_id,
+                self.recovery.describe_work(worker_id),
+                target,
+                self.launcher.describe(target),
+            )
+            self.members.assign(worker_id, target)
+        self._failed.discard(worker_id)
+
+    def _rebuild(self, worker_id: int, doing: str) -> set[int]:
+        """Build worker ``worker_id``'s envs where it is now served, and send its hooks' follow-ups; the workers lost."""
+        self._send_init(worker_id, replacement=True)
+        lost = self._await({worker_id}, {}, doing, self.start_timeout)
+        for hook in self._restart_hooks:
+            for follow_up in (hook(worker_id) or ()) if not lost else ():
+                self.send(worker_id, *follow_up[:4], on_loss=follow_up.on_loss)
+                if follow_up.awaited is not None:
+                    lost = self._await({worker_id}, {}, follow_up.awaited, self.start_timeout)
+                    if lost:
+                        break
+        return lost
 
     # -- shutdown --------------------------------------------------------------------------
     def close_after_error(self, terminate: bool) -> None:
@@ -409,7 +617,7 @@ class WorkerPool(Membership, Recovery):
         # Without blocking: a frozen worker's full queue must not hang close().
         self._channel.zmq_socket.setsockopt(zmq.SNDTIMEO, 0)
         self.seq += 1
-        for identity in self._peers:
+        for identity in self.members.peers:
             try:
                 self._channel.send(Kind.CLOSE, {"seq": self.seq}, to=identity)
             except zmq.ZMQError:
@@ -421,11 +629,11 @@ class WorkerPool(Membership, Recovery):
 
     def _await_closed(self, deadline: float) -> None:
         """Wait until ``deadline`` (``time.monotonic()``) for CLOSED from every worker not known to be gone."""
-        pending = set(self._peers.values())
+        pending = set(self.members.peers.values())
         while pending and time.monotonic() < deadline:
             received = self._channel.recv(LIVENESS_POLL_S, routed=True)
             if received is not None:
-                worker_id = None if received[0] is None else self._peers.get(received[0])
+                worker_id = None if received[0] is None else self.members.peers.get(received[0])
                 if received[1].kind is Kind.CLOSED and worker_id is not None:
                     pending.discard(worker_id)
                 continue
@@ -435,14 +643,13 @@ class WorkerPool(Membership, Recovery):
             logger.warning("Workers %s did not confirm CLOSE within the grace period; ending them.", sorted(pending))
 
 
-def weak_callback(method: Callable[..., None]) -> Callable[..., None]:
-    """Call the bound ``method`` while its object lives, a no-op after: hooks must not keep their owner alive."""
+def weak_callback(method: Callable[..., _R]) -> Callable[..., _R | None]:
+    """Call the bound ``method`` while its object lives, a no-op (``None``) after: hooks must not keep their owner alive."""
     ref = weakref.WeakMethod(method)
 
-    def call(*args: Any) -> None:
+    def call(*args: Any) -> _R | None:
         bound = ref()
-        if bound is not None:
-            bound(*args)
+        return None if bound is None else bound(*args)
 
     return call
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from clusterenv.learner.pool import WorkerPool, weak_callback
+from clusterenv.learner.pool import FollowUp, WorkerPool, weak_callback
 from clusterenv.learner.validation import check_count, check_seconds
 from clusterenv.wire.processes import resource_usage
 
@@ -56,7 +56,7 @@ class Recycler:
             raise TypeError(
                 f"`recycle` must be a clusterenv.Recycle or None, got {type(policy).__name__} ({policy!r})."
             )
-        if not pool.starts_local_workers:
+        if not pool.members.starts_local_workers:
             raise ValueError(
                 "Recycling worker processes needs workers this learner starts itself (launcher='local'): "
                 "it reads their memory from /proc and starts their replacements."
@@ -79,12 +79,12 @@ class Recycler:
         policy, reasons = self.policy, {}
         if policy.rss_mb is not None and time.monotonic() >= self._read_due:
             self._read_due = time.monotonic() + policy.check_every_s
-            for worker_id, pid in self.pool.local_pids().items():
+            for worker_id, pid in self.pool.members.local_pids().items():
                 usage = resource_usage(pid)
                 if usage is not None:
                     self.rss_mb[worker_id] = usage.rss_mb
         for worker_id in candidates:
-            if not self.pool.serves_only_itself(worker_id):
+            if not self.pool.members.serves_only_itself(worker_id):
                 continue  # under "rehome", a process carrying other workers' envs is left alone
             if policy.after_env_steps is not None and self.env_steps.get(worker_id, 0) >= policy.after_env_steps:
                 reasons[worker_id] = self.env_steps[worker_id] / policy.after_env_steps
@@ -110,7 +110,8 @@ class Recycler:
         self.pool.replace(worker_id, f"recycling (after {self.env_steps.get(worker_id, 0)} env steps)")
         self._started_afresh(worker_id)
 
-    def _started_afresh(self, worker_id: int) -> None:
+    def _started_afresh(self, worker_id: int) -> list[FollowUp]:
         """Worker ``worker_id``'s envs were built anew in another process: counting starts from zero."""
         self.env_steps[worker_id] = 0
         self.rss_mb.pop(worker_id, None)
+        return []

@@ -36,7 +36,7 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 
 from clusterenv.errors import PolicyError, ProtocolError, WorkerTimeoutError
-from clusterenv.learner.pool import OnLoss, WorkerPool, weak_callback
+from clusterenv.learner.pool import FollowUp, OnLoss, WorkerPool, weak_callback
 from clusterenv.learner.rollout_batch import RolloutBatch
 from clusterenv.learner.step_buffers import restarted_records
 from clusterenv.learner.vector_env import ClusterEnv
@@ -210,22 +210,24 @@ class PolicyRunner:
         pool.on_restart(weak_callback(self._reinstall))
 
     def _send_policy(self, pool: WorkerPool, worker_id: int) -> None:
+        policy = self._policy_message(worker_id)
+        pool.send(worker_id, policy.kind, policy.meta, policy.arrays, policy.blobs, on_loss=policy.on_loss)
+
+    def _policy_message(self, worker_id: int) -> FollowUp:
+        """The SET_POLICY that installs the current version on worker ``worker_id`` (counted as sent)."""
         meta = SetPolicyMeta(names=self._names, version=self._version, seed=self.seed)
-        blobs = [self._architecture, self._strategy]
-        pool.send(worker_id, Kind.SET_POLICY, meta, self._weights, blobs, on_loss=OnLoss.RAISE)
         size = len(self._architecture) + sum(a.nbytes for a in self._weights)
         self._telemetry.workers[worker_id].initial_bytes += size
+        return FollowUp(Kind.SET_POLICY, meta, self._weights, [self._architecture, self._strategy], OnLoss.RAISE)
 
-    def _reinstall(self, worker_id: int) -> None:
-        pool = self.envs.pool
-        self._send_policy(pool, worker_id)
-        pool.gather(
-            [worker_id], f"installing the local policy on a replacement for worker {worker_id}", self._timeout()
+    def _reinstall(self, worker_id: int) -> list[FollowUp]:
+        """A restart hook: the policy again, then (prefetching) the rollouts that were lost with the worker."""
+        install = self._policy_message(worker_id)._replace(
+            awaited=f"installing the local policy on a replacement for worker {worker_id}"
         )
         self._probe_obs[worker_id] = None
-        if self._stream is not None:  # its queued rollouts were lost with it: ask the replacement for them
-            for meta in self._stream.in_flight(worker_id):
-                pool.send(worker_id, Kind.ROLLOUT_AHEAD, meta, on_loss=OnLoss.REISSUE)
+        ahead = [] if self._stream is None else self._stream.in_flight(worker_id)
+        return [install, *(FollowUp(Kind.ROLLOUT_AHEAD, meta, on_loss=OnLoss.REISSUE) for meta in ahead)]
 
     def _timeout(self) -> float | None:
         return self.envs.timeout if self.timeout is None else self.timeout

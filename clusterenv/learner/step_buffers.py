@@ -148,7 +148,7 @@ def share_with_local_workers(pool: WorkerPool, space: spaces.Space, slices: list
     ):
         return None
     host = socket.gethostname()
-    local = [w for w in range(len(slices)) if pool.host(w) == host]
+    local = [w for w in range(len(slices)) if pool.members.host(w) == host]
     if not local:
         return None
     shared = shared_memory.SharedObservations(space, slices[-1].stop)

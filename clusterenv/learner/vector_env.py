@@ -16,7 +16,7 @@ from gymnasium.vector.async_vector_env import AsyncState
 
 from clusterenv.launch.launchers import Launcher
 from clusterenv.learner.first_ready import FirstReady, Ready
-from clusterenv.learner.pool import Command, OnLoss, WorkerPool, weak_callback
+from clusterenv.learner.pool import Command, FollowUp, OnLoss, WorkerPool, weak_callback
 from clusterenv.learner.recycling import Recycle, Recycler
 from clusterenv.learner.step_buffers import WORKER_RESTARTED_KEY, BatchBuffers, share_with_local_workers
 from clusterenv.learner.validation import (
@@ -551,15 +551,16 @@ class ClusterEnv(VectorEnv):
         """For extensions: these workers' moved envs had their cut reported another way (a rollout on fresh envs)."""
         self._cut_pending.difference_update(worker_ids)
 
-    def _reset_replacement_in_flight(self, worker_id: int) -> None:
+    def _reset_replacement_in_flight(self, worker_id: int) -> list[FollowUp]:
         """A restart hook for first-ready batches: report the cut episodes of a replaced (or re-homed) worker."""
         first_ready = self._first_ready
         if worker_id in first_ready.in_flight:
-            first_ready.reset_replacement(self._pool, worker_id)
-        elif first_ready.busy_workers():
+            return first_ready.reset_replacement(worker_id)
+        if first_ready.busy_workers():
             # Lost while its envs were in the caller's hands (recv() returned them): the next send() resets
             # the fresh envs instead of stepping them, and recv() reports the cut.
             self._cut_pending.add(worker_id)
+        return []
 
     # -- attributes ------------------------------------------------------------------------
     # An exception raised by an attribute or a called method is the caller's business (SB3's
