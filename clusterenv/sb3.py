@@ -201,7 +201,7 @@ class _SB3Reset(Layer):
 
 
 def _per_env(batched: dict[str, Any], num_envs: int) -> list[dict[str, Any]]:
-    """Gymnasium's batched infos back to one dict per env (a key is in env ``i``'s dict where its ``_key`` mask is set)."""
+    """Gymnasium's batched infos back to one dict per env (a key is in env ``i``'s dict where ``_key`` is set)."""
     infos: list[dict[str, Any]] = [{} for _ in range(num_envs)]
     for key, value in batched.items():
         if key.startswith("_") and key[1:] in batched:

@@ -179,7 +179,7 @@ class StuckEnv(gym.Env):
 
 
 def hold_gil(seconds: float) -> None:
-    """One C call that keeps the GIL for ``seconds`` (``usleep`` through ``ctypes.PyDLL``), as a long simulator call might.
+    """One C call that keeps the GIL for ``seconds`` (``usleep`` through ``ctypes.PyDLL``), as a simulator might.
 
     No other thread of the process runs meanwhile: a heartbeat thread is starved for the whole time.
     """
@@ -203,8 +203,8 @@ def burn_cpu(seconds: float) -> None:
 class BusyEnv(gym.Wrapper):
     """CartPole whose every step first keeps its worker busy for ``seconds``, then steps as CartPole would.
 
-    ``how`` is ``"python"`` (:func:`spin`), ``"cpu"`` (:func:`burn_cpu`) or ``"c"`` (:func:`hold_gil`). The file ``started``, if
-    given, is created as a step begins, so that a test knows the worker is inside it.
+    ``how`` is ``"python"`` (:func:`spin`), ``"cpu"`` (:func:`burn_cpu`) or ``"c"`` (:func:`hold_gil`).
+    The file ``started``, if given, is created as a step begins, so that a test knows the worker is inside it.
     """
 
     def __init__(self, seconds: float, how: str = "c", started: str | None = None) -> None:

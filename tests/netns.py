@@ -1,4 +1,4 @@
-"""Another host on this machine: a network namespace and a UTS namespace, joined by a veth pair, optionally rate-limited.
+"""Another host on this machine: network and UTS namespaces, joined by a veth pair, optionally rate-limited.
 
 Workers started in it have their own hostname (so the learner treats them as remote: no
 shared memory) and reach the learner only over the veth pair, whose addresses the helper

@@ -75,7 +75,7 @@ def scratch_dirs() -> set[str]:
 
 
 def assert_moved_evenly(envs: ClusterEnv, lost_pids: list[int]) -> None:
-    """The lost processes are reported lost; every env is served once, by a survivor, and none carries two extra slices."""
+    """The lost processes are reported lost; each env is served once, by a survivor; none carries two extra slices."""
     info = {i["worker_id"]: i for i in envs.worker_info}
     assert [w for w, i in info.items() if i["state"] == "lost"] == list(LOST)
     assert all("exited with code -9" in info[w]["lost_because"] for w in LOST)

@@ -1,4 +1,4 @@
-"""What an env raises reaches the caller as that error, whole or cut within bounds; a worker dies only when its process does.
+"""What an env raises reaches the caller as that error, cut within bounds; a worker dies only when its process does.
 
 Each test here stands for a way an ordinary but unlucky env used to lose its error: a huge
 message, a ``__str__`` that raises, an error arriving while a worker was being replaced, an

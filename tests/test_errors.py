@@ -268,7 +268,7 @@ REJECTED_COMMANDS = {
 
 @pytest.mark.parametrize(("command", "error", "message"), REJECTED_COMMANDS.values(), ids=REJECTED_COMMANDS)
 def test_rejected_command_reaches_no_worker(lockstep, command, error, message):
-    """Everything is checked and encoded before the first send: the envs stay open, and exactly where SyncVectorEnv's are."""
+    """Everything is checked and encoded before the first send: envs stay open, exactly where SyncVectorEnv's are."""
     envs, reference = lockstep
     assert not envs.closed, "an earlier rejected command closed the env"
     for vector_env in (envs, reference):

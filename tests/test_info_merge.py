@@ -175,7 +175,7 @@ def test_uniform_slices_are_placed_without_a_per_env_replay(monkeypatch: pytest.
 
 
 def test_slices_that_disagree_are_replayed_and_still_exact() -> None:
-    """An ``int`` key in one slice and a ``float`` one in the next: the first env's type decides, as in SyncVectorEnv."""
+    """An ``int`` key in one slice, a ``float`` one in the next: the first env's type decides, as in SyncVectorEnv."""
     env_infos = [{"x": 1}, {"x": 2}, {"x": 2.5}, {"x": np.float32(0.1)}]
     assert_same(sync_vector_env_infos(env_infos), merged_through_workers(env_infos, [2, 3]))
     assert merged_through_workers(env_infos, [2, 3])["x"].tolist() == [1, 2, 2, 0]

@@ -71,8 +71,8 @@ def test_the_channel_drops_a_reply_whose_meta_its_kind_does_not_declare(joined, 
         worker.send(Kind.VALUE, {"seq": 1, "surprise": True})
         assert learner.recv(2, routed=True) is None
     assert (
-        "A VALUE message must have meta keys [] (and may have ['attached', 'seq', 'slot']); missing [], unknown ['surprise']"
-        in caplog.text
+        "A VALUE message must have meta keys [] (and may have ['attached', 'seq', 'slot']); "
+        "missing [], unknown ['surprise']" in caplog.text
     )
     worker.send(Kind.VALUE, {"seq": 2, "attached": False})
     received = learner.recv(10, routed=True)

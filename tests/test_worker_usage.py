@@ -1,4 +1,6 @@
-"""Where the time and memory go: each local worker's CPU and memory (``worker_info``), the learner's busy and waiting time (``learner_info``)."""
+"""Where the time and memory go.
+
+Each local worker's CPU and memory (``worker_info``), the learner's busy and waiting time (``learner_info``)."""
 
 from __future__ import annotations
 

@@ -31,7 +31,9 @@ Plan = list[tuple[int, slice | np.ndarray]]
 
 
 def _as_rows(rows: np.ndarray) -> slice | np.ndarray:
-    """``rows`` as a slice when consecutive (the usual case: env_ids as recv() gave them), so leaves are sliced, not copied.
+    """``rows`` as a slice when consecutive, so that leaves are sliced, not copied.
+
+    Consecutive rows are the usual case: env_ids as recv() gave them.
 
     Rows holding -1 (envs not given) stay an array, for :meth:`FirstReady.plan` to refuse.
     """
@@ -63,7 +65,10 @@ class FirstReady:
         return sum(self._slices[w].stop - self._slices[w].start for w in self.busy_workers())
 
     def plan(self, env_ids: Any) -> tuple[int, Plan]:
-        """How many envs ``env_ids`` names and the :data:`Plan` of its send, if it names whole workers' envs that recv() returned."""
+        """How many envs ``env_ids`` names, and the :data:`Plan` of its send.
+
+        ``env_ids`` must name whole workers' envs that recv() returned.
+        """
         returned = self._returned
         if (
             returned is not None
@@ -157,7 +162,7 @@ class FirstReady:
         return [self.fresh_reset(worker_id)] if self.in_flight.get(worker_id) == "step" else []
 
     def fresh_reset(self, worker_id: int) -> FollowUp:
-        """The RESET of a replaced or moved worker's fresh envs, now in flight; recv() reports the cut when it arrives."""
+        """The RESET of a replaced or moved worker's fresh envs, now in flight; recv() reports the cut."""
         sl = self._slices[worker_id]
         self.in_flight[worker_id] = "restarted"
         return FollowUp(Kind.RESET, ResetMeta(seeds=[None] * (sl.stop - sl.start), mask=None), on_loss=OnLoss.REPLAY)

@@ -111,7 +111,7 @@ class HeartbeatMonitor:
             return lost
 
     def _silence_limit(self, worker_id: int) -> float | None:
-        """How long worker ``worker_id`` may be silent: the expiry until its connection is known, then ``busy_timeout``."""
+        """How long worker ``worker_id`` may be silent: the expiry until it is connected, then ``busy_timeout``."""
         config = self.config
         if worker_id not in self._fds:
             return config.expiry

@@ -227,7 +227,7 @@ class WorkerPool:
         self.members.start(self.address, self.key, self.start_timeout, self.seq, at_least)
 
     def send_init(self, worker_id: int, meta: EnvsMeta, blobs: list[bytes]) -> None:
-        """Send a worker its INIT (kept, to build a replacement the same way); its heartbeats are watched from now on."""
+        """Send a worker its INIT (kept, to build a replacement the same way); its heartbeats are watched."""
         self.members.keep_init(worker_id, meta, blobs)
         self._send_init(worker_id, replacement=False)
 
@@ -334,7 +334,7 @@ class WorkerPool:
         return header
 
     def _worker_of(self, sender: bytes, msg: Message) -> int | None:
-        """The worker a message from process ``sender`` speaks for: its own, or the slot it names if it serves that one."""
+        """The worker a message from process ``sender`` speaks for: its own, or the slot it names (if it serves it)."""
         slot = msg.meta.get("slot")
         if slot is None:
             return self.members.peers.get(sender)
@@ -496,7 +496,7 @@ class WorkerPool:
         return None
 
     def _check_alive(self, worker_ids: set[int], doing: str) -> set[int]:
-        """Workers among ``worker_ids`` whose process is lost: raised, or (restart, rehome) returned and marked failed."""
+        """Workers among ``worker_ids`` whose process is lost: raised, or returned and marked failed (restart)."""
         lost = self.recovery.lost_among(worker_ids)
         for w in sorted(lost):
             if self.recovery.raises_at_once(w, self._last_sent.get(w)):
@@ -523,7 +523,7 @@ class WorkerPool:
         self._restart_hooks.append(hook)
 
     def take_interrupted(self) -> list[int]:
-        """The workers whose :attr:`OnLoss.INTERRUPT` command a restart cut, since the last call (the sender reports them)."""
+        """The workers whose :attr:`OnLoss.INTERRUPT` command a restart cut since the last call."""
         interrupted, self._interrupted = sorted(self._interrupted), set()
         return interrupted
 
@@ -586,7 +586,7 @@ class WorkerPool:
         self._failed.discard(worker_id)
 
     def _rebuild(self, worker_id: int, doing: str) -> set[int]:
-        """Build worker ``worker_id``'s envs where it is now served, and send its hooks' follow-ups; the workers lost."""
+        """Build worker ``worker_id``'s envs where it is served now, send its hooks' follow-ups; the workers lost."""
         self._send_init(worker_id, replacement=True)
         lost = self._await({worker_id}, {}, doing, self.start_timeout)
         for hook in self._restart_hooks:
@@ -644,7 +644,7 @@ class WorkerPool:
 
 
 def weak_callback(method: Callable[..., _R]) -> Callable[..., _R | None]:
-    """Call the bound ``method`` while its object lives, a no-op (``None``) after: hooks must not keep their owner alive."""
+    """Call the bound ``method`` while its object lives, else return ``None``: hooks must not keep their owner alive."""
     ref = weakref.WeakMethod(method)
 
     def call(*args: Any) -> _R | None:

@@ -168,7 +168,8 @@ class PolicyRunner:
             policy = policy()
         if not isinstance(policy, nn.Module):
             raise PolicyError(
-                f"`policy` must be a torch.nn.Module (or a zero-argument callable returning one), got {type(policy).__name__}."
+                f"`policy` must be a torch.nn.Module (or a zero-argument callable returning one), "
+                f"got {type(policy).__name__}."
             )
         sync = EveryUpdate() if sync is None else sync
         if not isinstance(sync, SyncStrategy):
@@ -555,7 +556,7 @@ class PolicyRunner:
         return True
 
     def _keep_probe_states(self, worker_id: int, obs: list[np.ndarray]) -> None:
-        """Keep the last ``probe_steps`` steps of a rollout's observation leaves ``(T, n, ...)``: what the worker keeps."""
+        """Keep the last ``probe_steps`` steps of a rollout's observation leaves ``(T, n, ...)``, as the worker does."""
         self._probe_obs[worker_id] = probe_rows(obs, self.probe_steps)
 
     # -- assembling ------------------------------------------------------------------------

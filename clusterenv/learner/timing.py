@@ -52,7 +52,7 @@ class StepTiming:
         self._recent.append((wall - waiting, waiting))
 
     def summary(self) -> dict[str, Any]:
-        """``{"batch_steps", "busy_ms", "waiting_ms"}``: the count so far, and the median, 95th percentile and mean of each."""
+        """``{"batch_steps", "busy_ms", "waiting_ms"}``: the count so far, and each time's median, p95 and mean."""
         if not self._recent:
             return {"batch_steps": self.batch_steps, "busy_ms": None, "waiting_ms": None}
         values = np.array(self._recent) * 1000.0

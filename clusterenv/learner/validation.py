@@ -60,7 +60,7 @@ def check_choice(name: str, value: Any, choices: Sequence[Any]) -> Any:
 
 
 def check_first_ready(observation_mode: Any, autoreset_mode: AutoresetMode | None = None) -> None:
-    """First-ready batches (``async_reset``/``send``/``recv``) need one observation space; ``async_reset`` an autoreset mode."""
+    """Check first-ready batches' needs: one observation space, and for ``async_reset`` an autoreset mode."""
     if observation_mode == "different":
         raise ValueError(
             "async_reset/send/recv batch any subset of envs, so they need observation_mode='same' "
@@ -81,7 +81,7 @@ def check_flag(name: str, value: Any) -> bool:
 
 
 def check_observation_mode(observation_mode: Any) -> str | tuple[spaces.Space, spaces.Space]:
-    """``"same"``, ``"different"`` or ``(observation_space, single_observation_space)``, as ``SyncVectorEnv`` takes it."""
+    """``"same"``, ``"different"`` or ``(observation_space, single_observation_space)``, as in ``SyncVectorEnv``."""
     if isinstance(observation_mode, tuple) and len(observation_mode) == 2:
         if not all(isinstance(space, spaces.Space) for space in observation_mode):
             raise TypeError(
@@ -273,7 +273,8 @@ def check_reset_options(
         return [None if o is None else dict(o) for o in options], None
     if not isinstance(options, Mapping):
         raise TypeError(
-            f"`options` must be a dict, a list of one dict per env, or None, got {type(options).__name__} ({options!r})."
+            f"`options` must be a dict, a list of one dict per env, or None, "
+            f"got {type(options).__name__} ({options!r})."
         )
     options = dict(options)
     mask = check_reset_mask(options.pop("reset_mask"), num_envs) if "reset_mask" in options else None
@@ -297,7 +298,8 @@ def check_reset_mask(reset_mask: Any, num_envs: int) -> np.ndarray:
         raise TypeError(f"`options['reset_mask']` must have `dtype=np.bool_`, got {reset_mask.dtype}")
     if not np.any(reset_mask):
         raise ValueError(
-            f"`options['reset_mask']` must contain a boolean array with at least one True value, got reset_mask={reset_mask}"
+            f"`options['reset_mask']` must contain a boolean array with at least one True value, "
+            f"got reset_mask={reset_mask}"
         )
     return reset_mask
 
@@ -356,7 +358,7 @@ def action_items(actions: Any, action_space: spaces.Space, num_envs: int) -> lis
 
 
 def check_indices(indices: Any, num_envs: int) -> list[int] | None:
-    """Env indices for ``get_attr``/``set_attr``/``apply``: ``None`` (all), one int, or ints; negatives count from the end."""
+    """Env indices for ``get_attr``/``set_attr``/``apply``: ``None`` (all), an int or ints (negative: from the end)."""
     if indices is None:
         return None
     single = isinstance(indices, (int, np.integer)) and not isinstance(indices, bool)

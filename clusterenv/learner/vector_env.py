@@ -125,7 +125,8 @@ class ClusterEnv(VectorEnv):
             start_timeout: seconds to wait for workers to join and build their envs.
             bind: learner address; ``None`` is a private ``ipc://`` socket. Non-loopback
                 addresses require a ``secret``.
-            secret: the shared secret that keys every connection (or ``$CLUSTERENV_SECRET``); random when workers are local.
+            secret: the shared secret that keys every connection (or ``$CLUSTERENV_SECRET``); random
+                when workers are local.
             launcher: what starts the workers: ``"local"`` child processes (default), ``"external"``
                 (started by hand or ``srun``, see docs/guides/multi-node.md), ``"ray"``, or a ``Launcher``.
             on_worker_failure: ``"raise"`` a ``WorkerLostError``; ``"restart"`` the worker (a new
@@ -434,7 +435,7 @@ class ClusterEnv(VectorEnv):
         return self._buffers.collect([(self._slices[w], replies[w]) for w in sorted(replies)], step)
 
     def _report_interrupted(self, infos: dict[str, Any], interrupted: list[int]) -> dict[str, Any]:
-        """Report the episodes that a worker restart cut short as truncations (semantics in docs/guides/fault-tolerance.md).
+        """Report the episodes that a worker restart cut short as truncations (docs/guides/fault-tolerance.md).
 
         Reward 0, ``truncated=True``, ``infos["worker_restarted"]``. SAME_STEP: the envs are reset here (``final_obs``
         the last observation received, ``final_info`` empty); NEXT_STEP: the last observation, the next step resets.
@@ -494,7 +495,9 @@ class ClusterEnv(VectorEnv):
             self._cut_pending.discard(w)
 
     def recv(self, timeout: float | None = None) -> Ready:
-        """The results of the first ``batch_size`` envs to be ready: ``(obs, rewards, terminations, truncations, infos, env_ids)``.
+        """The results of the first ``batch_size`` envs to be ready.
+
+        Returned as ``(obs, rewards, terminations, truncations, infos, env_ids)``.
 
         That is the envs of the first ``batch_size // envs_per_worker`` workers to reply, in the
         order they replied; row ``j`` is env ``env_ids[j]``, and infos are batched over the rows.
@@ -673,7 +676,10 @@ class ClusterEnv(VectorEnv):
 
     @property
     def worker_info(self) -> list[dict[str, Any]]:
-        """Per process: ``worker_id, host, pid, state, serves, env_ids, lost_because, silent_s, latency_ms, env_step_ms, cpu_s, rss_mb``.
+        """What each worker process does and uses, one dict per process.
+
+        Keys: ``worker_id, host, pid, state, serves, env_ids, lost_because, silent_s, latency_ms,
+        env_step_ms, cpu_s, rss_mb``.
 
         Each field is explained in docs/guides/fault-tolerance.md ("Watching the workers"): where its
         envs are, whether it is alive, how fast it replies, and what CPU and memory it uses.
@@ -685,7 +691,7 @@ class ClusterEnv(VectorEnv):
 
     @property
     def learner_info(self) -> dict[str, Any]:
-        """Per batch step, the learner's own time against its time waiting for workers (docs/guides/fault-tolerance.md)."""
+        """Per batch step, the learner's own time against its time waiting for workers (fault-tolerance guide)."""
         return self._pool.timing.summary()
 
     def __enter__(self) -> ClusterEnv:

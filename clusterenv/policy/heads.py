@@ -6,20 +6,20 @@ actor, Q-values for a critic, means and log standard deviations for a continuous
 both ends of a KL check, so that the learner's and the worker's outputs are compared as
 distributions, never as raw numbers. Every head has an exact, closed-form KL.
 
-======================================  ========================  ===============================  ==========================
-head                                    action space              outputs per row                  action sent to the env
-======================================  ========================  ===============================  ==========================
-``Categorical``, ``Greedy``,            ``Discrete(n, start)``    ``n`` logits (or Q-values)       index ``+ start``
+==============================  ========================  ===============================  ==========================
+head                            action space              outputs per row                  action sent to the env
+==============================  ========================  ===============================  ==========================
+``Categorical``, ``Greedy``,    ``Discrete(n, start)``    ``n`` logits (or Q-values)       index ``+ start``
 ``EpsilonGreedy``
-``MultiCategorical``                    ``MultiDiscrete(nvec)``   ``sum(nvec)`` logits, the        indices ``+ start``
-                                                                  sub-actions' concatenated
-``Bernoulli``                           ``MultiBinary(n)``        ``n`` logits, one per bit        the bits
-``Gaussian``                            ``Box``                   ``2A``: ``A`` means, then        clipped to ``[low, high]``
-                                                                  ``A`` log standard deviations
-``TanhGaussian``                        ``Box``, finite bounds    ``2A``, as ``Gaussian``          ``tanh`` sample rescaled
-                                                                                                   from [-1, 1] to
-                                                                                                   ``[low, high]``
-======================================  ========================  ===============================  ==========================
+``MultiCategorical``            ``MultiDiscrete(nvec)``   ``sum(nvec)`` logits, the        indices ``+ start``
+                                                          sub-actions' concatenated
+``Bernoulli``                   ``MultiBinary(n)``        ``n`` logits, one per bit        the bits
+``Gaussian``                    ``Box``                   ``2A``: ``A`` means, then        clipped to ``[low, high]``
+                                                          ``A`` log standard deviations
+``TanhGaussian``                ``Box``, finite bounds    ``2A``, as ``Gaussian``          ``tanh`` sample rescaled
+                                                                                           from [-1, 1] to
+                                                                                           ``[low, high]``
+==============================  ========================  ===============================  ==========================
 
 :meth:`Head.act` samples each row from that env's own ``np.random.Generator``, so an env's
 action depends only on its own outputs and generator, never on the other rows. It returns
@@ -92,7 +92,10 @@ def kl_divergence(log_p: np.ndarray, log_q: np.ndarray) -> np.ndarray:
 
 
 def _inverse_cdf(log_p: np.ndarray, draws: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Indices ``(B,)`` int64 sampled from log-probability rows ``(B, n)`` with U[0, 1) ``draws`` ``(B,)``, and their log-probs."""
+    """Indices ``(B,)`` int64 sampled from log-probability rows ``(B, n)``, and their log-probs.
+
+    ``draws`` ``(B,)`` are U[0, 1) numbers, one per row.
+    """
     cdf = np.cumsum(np.exp(log_p), axis=-1)
     # Comparing against the row total keeps rounding in the cumulative sum from overshooting.
     index = np.minimum((draws[:, None] * cdf[:, -1:] >= cdf).sum(axis=-1), log_p.shape[-1] - 1).astype(np.int64)
@@ -316,7 +319,8 @@ class MultiCategorical(Head):
         sizes = np.ravel(self.nvec)
         if outputs.shape[-1] != sizes.sum():
             raise PolicyError(
-                f"MultiCategorical(nvec={self.nvec}) needs sum(nvec) = {sizes.sum()} outputs per row, got {outputs.shape[-1]}."
+                f"MultiCategorical(nvec={self.nvec}) needs sum(nvec) = {sizes.sum()} outputs per row, "
+                f"got {outputs.shape[-1]}."
             )
         return sizes
 
@@ -398,7 +402,8 @@ class _FlatHead(Head):
         shape = tuple(action_space.shape or ())
         if (self.shape is None and len(shape) != 1) or (self.shape is not None and self.shape != shape):
             raise PolicyError(
-                f"{cls}(shape={self.shape}) makes actions of shape {'(A,)' if self.shape is None else self.shape}, but the action space "
+                f"{cls}(shape={self.shape}) makes actions of shape {'(A,)' if self.shape is None else self.shape}, "
+                "but the action space "
                 f"{action_space} has shape {shape}; build the head with default_head(action_space)."
             )
         return self.per_action * math.prod(shape)

@@ -216,7 +216,8 @@ def load_weights(module: nn.Module, names: list[str], arrays: list[np.ndarray]) 
             target = tensors[name]
             if tuple(target.shape) != array.shape:
                 raise PolicyError(
-                    f"Weights for `{name}` have shape {array.shape}, but the shipped policy expects {tuple(target.shape)}."
+                    f"Weights for `{name}` have shape {array.shape}, "
+                    f"but the shipped policy expects {tuple(target.shape)}."
                 )
             # Received frames are read-only; torch wants writable memory to wrap.
             target.copy_(torch.from_numpy(np.array(array)))
@@ -289,7 +290,7 @@ class LocalPolicy:
         self.version = version
 
     def outputs(self, obs: Any) -> np.ndarray:
-        """The module's outputs on a batch of observations (an array, or a dict/tuple tree of them), on :attr:`device`."""
+        """The module's outputs on a batch of observations (an array, or a dict/tuple tree), on :attr:`device`."""
         with torch.inference_mode():
             out = self.module(_as_inputs(obs, self.device))
         return out.detach().to(torch.float32).cpu().numpy()

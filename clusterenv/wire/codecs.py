@@ -57,7 +57,7 @@ def compress(codec: str, buffer: Any) -> bytes:
 
 
 def decompress(codec: str, data: Any, size: int) -> bytes:
-    """``data`` decompressed with ``codec``: exactly ``size`` bytes, or :class:`ProtocolError` before any larger allocation."""
+    """``data`` decompressed with ``codec``: exactly ``size`` bytes, else :class:`ProtocolError`, allocating no more."""
     try:
         if codec == "lz4":
             out = lz4.block.decompress(data, uncompressed_size=size)  # writes at most ``size`` bytes

@@ -53,7 +53,9 @@ def check_spaces(
 def vector_spaces(
     observation_spaces: list[spaces.Space], action_spaces: list[spaces.Space], observation_mode: Any
 ) -> tuple[spaces.Space, spaces.Space, spaces.Space, spaces.Space]:
-    """``(single_observation_space, observation_space, single_action_space, action_space)``, as ``SyncVectorEnv`` derives them.
+    """The batch's spaces, as ``SyncVectorEnv`` derives them.
+
+    Returned as ``(single_observation_space, observation_space, single_action_space, action_space)``.
 
     ``observation_mode`` is ``"same"``, ``"different"``, or a given ``(observation_space,
     single_observation_space)``, against which each worker checked its own envs.
@@ -127,7 +129,7 @@ def by_part(indices: list[int] | None, parts: Sequence[slice]) -> dict[int, list
 def in_index_order(
     indices: list[int] | None, parts: Sequence[slice], results: Mapping[int, Sequence[Any]]
 ) -> list[Any]:
-    """Each part's results (for its :func:`by_part` indices) put back in the order of ``indices`` (``None``: env order)."""
+    """Each part's results (for its :func:`by_part` indices) in the order of ``indices`` (``None``: env order)."""
     if indices is None:
         return [value for k in sorted(results) for value in results[k]]
     value_of: dict[int, Any] = {}

@@ -153,7 +153,7 @@ def _columns(records: Sequence[tuple[int, dict[str, Any]]], size: int) -> tuple[
 
 
 def pack_infos(records: Sequence[InfoRecord], num_envs: int, min_envs: int = PACK_MIN_ENVS) -> InfoPayload:
-    """A worker slice's infos for the wire: packed in columns if uniform (and ``min_envs`` or more), else the records."""
+    """A worker slice's infos for the wire: in columns if uniform (and ``min_envs`` or more), else the records."""
     if num_envs < min_envs:
         return list(records)
     try:

@@ -164,7 +164,7 @@ class Pipe:
                 return records
 
     def read(self, timeout_ms: int) -> list[memoryview] | None:
-        """The next record, waiting up to ``timeout_ms`` (0: only what has arrived; -1: forever); ``None`` on time-out."""
+        """The next record, waiting up to ``timeout_ms`` (0: only what arrived; -1: forever); ``None`` on time-out."""
         deadline = None if timeout_ms < 0 else time.monotonic() + timeout_ms / 1000
         while True:
             record = self._next_record()

@@ -261,7 +261,7 @@ def _table(n_frames: int) -> struct.Struct:
 def _mac(
     key: bytes, counter: int, n_arrays: int, sizes: Sequence[int], cover_arrays: bool, frames: Sequence[Any]
 ) -> bytes:
-    """Keyed BLAKE3 under ``key`` of the counter, the array count, every frame's length (``sizes``), then the covered frames.
+    """Keyed BLAKE3 under ``key`` of the counter, array count, frame lengths (``sizes``), then the covered frames.
 
     The lengths come first, so moving bytes across a frame boundary, or an array frame into
     the blobs, changes the MAC. The covered frames are all of ``frames``, or (``cover_arrays``
@@ -281,7 +281,10 @@ def _mac(
 
 
 def _byte_view(a: np.ndarray) -> memoryview:
-    """A C-contiguous array's bytes, flat: BLAKE3 and the codecs take byte buffers only (and ``cast`` refuses empty shapes)."""
+    """A C-contiguous array's bytes, flat.
+
+    BLAKE3 and the codecs take byte buffers only, and ``memoryview.cast`` refuses empty shapes.
+    """
     return a.reshape(-1).view(np.uint8).data
 
 
@@ -395,7 +398,7 @@ def coalesce(frames: list[Any]) -> list[Any]:
 
 
 def split(frames: list[Any]) -> list[Any]:
-    """Inverse of :func:`coalesce`, as read-only views of the one frame; raises :class:`ProtocolError` on a malformed table."""
+    """Inverse of :func:`coalesce`, as read-only views of the one frame; :class:`ProtocolError` if malformed."""
     if len(frames) != 1:
         return frames
     data = memoryview(frames[0])
@@ -534,7 +537,7 @@ def parse(frames: list[Any], n_arrays: int, max_array_bytes: int = MAX_ARRAY_BYT
 def decode(
     frames: list[Any], *, key: bytes, cover_arrays: bool, max_array_bytes: int = MAX_ARRAY_BYTES
 ) -> tuple[int, Message]:
-    """``(counter, message)`` of received ``frames``: :func:`split`, :func:`verify` (before anything is parsed), :func:`parse`."""
+    """``(counter, message)`` of received ``frames``: :func:`split`, :func:`verify` (first), then :func:`parse`."""
     frames = split(frames)
     counter, n_arrays = verify(frames, key=key, cover_arrays=cover_arrays)
     return counter, parse(frames, n_arrays, max_array_bytes)

@@ -595,7 +595,9 @@ class Channel:
         return None
 
     def _recv_frames(self, timeout_ms: int, routed: bool) -> tuple[bytes | None, list[Any]] | None:
-        """``(sender, frames)`` of one message (sender ``None`` unless ``routed``), or ``None`` after ``timeout_ms`` (-1: forever).
+        """``(sender, frames)`` of one message (sender ``None`` unless ``routed``), or ``None`` after ``timeout_ms``.
+
+        ``timeout_ms=-1`` waits forever.
 
         A blocking receive under ``RCVTIMEO`` costs one call where poll-then-receive costs
         two, and uncopied frames (read through ``.more``) avoid ``recv_multipart``'s

@@ -297,7 +297,10 @@ class ProcVectorEnv(VectorEnv):
     def reset(
         self, *, seed: int | list[int | None] | None = None, options: dict[str, Any] | None = None
     ) -> tuple[Any, dict[str, Any]]:
-        """Reset the envs (those in ``options["reset_mask"]``, if given), as ``SyncVectorEnv.reset``; infos go to ``info_log``."""
+        """Reset the envs (those in ``options["reset_mask"]``, if given), as ``SyncVectorEnv.reset``.
+
+        Their infos go to ``info_log``.
+        """
         seeds = per_env_seeds(seed, self.num_envs)
         options = None if options is None else dict(options)
         mask = None if options is None or "reset_mask" not in options else np.asarray(options.pop("reset_mask"))
@@ -313,7 +316,7 @@ class ProcVectorEnv(VectorEnv):
     def reset_each(
         self, seeds: list[int | None], options: list[dict[str, Any] | None], mask: Any = None
     ) -> tuple[Any, dict[str, Any]]:
-        """Reset env ``i`` with ``seeds[i]`` and ``options[i]`` (those in ``mask``), as ``RecordingVectorEnv.reset_each``."""
+        """Reset env ``i`` with ``seeds[i]`` and ``options[i]`` (those in ``mask``), as ``reset_each`` does."""
         mask = None if mask is None else np.asarray(mask, dtype=np.bool_)
         commands = {
             c.index: ("reset_each", (seeds[c.part], options[c.part], None if mask is None else mask[c.part]))

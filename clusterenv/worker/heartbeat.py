@@ -93,7 +93,7 @@ class HeartbeatClient:
             self._thread.join()
 
     def _connect(self) -> tuple[Channel, _Link]:
-        """The heartbeat channel, and the state of its connection (which tells a live learner from a dead or frozen one)."""
+        """The heartbeat channel, and the state of its connection (a live learner, or a dead or frozen one)."""
         channel = Channel.connect_dealer(
             self._context,
             self.address,

@@ -134,7 +134,7 @@ class RecordingVectorEnv(SyncVectorEnv):
         return self._observations, infos
 
     def call_at(self, indices: list[int] | None, name: str | None, args: tuple, kwargs: dict[str, Any]) -> list[Any]:
-        """``call(name, *args, **kwargs)`` on the envs ``indices`` (``None``: all); ``name=None`` returns ``args[0](env)``."""
+        """``call(name, *args, **kwargs)`` on the envs ``indices`` (``None``: all); ``name=None``: ``args[0](env)``."""
         if indices is None and name is not None:
             return list(self.call(name, *args, **kwargs))  # Gymnasium's own
         results = []
