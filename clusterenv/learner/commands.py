@@ -28,8 +28,8 @@ class OnLoss(enum.Enum):
     #: Send it again: on the fresh envs it does what was asked (a seeded reset returns the
     #: same observations, an attribute read the same value, a lockstep rollout a fresh one).
     REPLAY = "replay"
-    #: The envs' episodes were cut: the worker joins :meth:`~clusterenv.learner.pool.WorkerPool.take_interrupted`,
-    #: and the sender reports the cut (a lockstep step: truncated, flagged ``worker_restarted``).
+    #: The envs' episodes were cut: recorded in the pool's :class:`~clusterenv.learner.cuts.CutLedger`,
+    #: for the sender to report (a lockstep step: truncated, flagged ``worker_restarted``).
     INTERRUPT = "interrupt"
     #: The sender's restart hook re-issues what it needs (first-ready steps, prefetched rollouts).
     REISSUE = "reissue"

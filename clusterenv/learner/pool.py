@@ -30,6 +30,7 @@ import zmq
 from clusterenv.errors import ClusterEnvError, WorkerStartError, WorkerTimeoutError
 from clusterenv.launch.launchers import Launcher, LocalLauncher, resolve_launcher
 from clusterenv.learner.commands import Command, FollowUp, OnLoss, SentCommand
+from clusterenv.learner.cuts import Cut, CutLedger
 from clusterenv.learner.heartbeat_monitor import LIVENESS_POLL_S, HeartbeatMonitor
 from clusterenv.learner.membership import Membership, Received
 from clusterenv.learner.recovery import Action, Recovery, Step, remote_error
@@ -191,7 +192,9 @@ class WorkerPool:
         )
         self._usage: dict[int, UsageReport] = {}  # each worker's last report of what its process uses
         self._restart_hooks: list[RestartHook] = []
-        self._interrupted: set[int] = set()
+        #: The workers whose envs' episodes were cut and not yet reported (a lost worker's
+        #: interrupted step here; recycling and rebalancing there), for the stepping modes to report.
+        self.cuts = CutLedger()
         self._awaiting: set[int] = set()  # workers whose latest command has had no reply yet
         self._failed: set[int] = set()  # workers found lost, until recovery gives them a new host
         # Replies of the current call that arrived while a gather waited for others (streaming calls).
@@ -522,11 +525,6 @@ class WorkerPool:
         """
         self._restart_hooks.append(hook)
 
-    def take_interrupted(self) -> list[int]:
-        """The workers whose :attr:`OnLoss.INTERRUPT` command a restart cut since the last call."""
-        interrupted, self._interrupted = sorted(self._interrupted), set()
-        return interrupted
-
     def replace(self, worker_id: int, why: str) -> None:
         """A new process for a healthy worker whose envs are not in flight (recycling), as a restart starts one."""
         logger.info("Worker %d: %s.", worker_id, why)
@@ -552,7 +550,7 @@ class WorkerPool:
             if pending is None:
                 continue  # it had answered: the restart hooks decided what its envs' loss means
             if pending.on_loss is OnLoss.INTERRUPT:
-                self._interrupted.add(worker_id)
+                self.cuts.record(worker_id, Cut.REHOMED if step.action is Action.REHOME else Cut.RESTARTED)
             elif pending.on_loss is OnLoss.REPLAY:
                 self.send(worker_id, pending.kind, pending.meta, pending.arrays, pending.blobs, pending.on_loss)
                 if self._await({worker_id}, replies, doing, self.start_timeout):

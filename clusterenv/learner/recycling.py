@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from clusterenv.learner.cuts import Cut, CutLedger
 from clusterenv.learner.pool import FollowUp, WorkerPool, weak_callback
 from clusterenv.learner.validation import check_count, check_seconds
 from clusterenv.wire.processes import resource_usage
@@ -92,18 +93,18 @@ class Recycler:
                 reasons[worker_id] = max(reasons.get(worker_id, 0.0), self.rss_mb[worker_id] / policy.rss_mb)
         return max(reasons, key=reasons.__getitem__) if reasons else None
 
-    def before_step(self, candidates: Iterable[int], cut_pending: set[int], slices: list[slice]) -> None:
+    def before_step(self, candidates: Iterable[int], cuts: CutLedger, slices: list[slice]) -> None:
         """Replace the worker among ``candidates`` that is due, if any, and count the env steps about to be sent.
 
-        The replaced worker joins ``cut_pending``: its fresh envs do not step, and the step reports
-        their cut episodes as truncated with ``infos["worker_restarted"]`` (as after a restart).
+        The replaced worker's cut is recorded in ``cuts``: its fresh envs do not step, and the step
+        reports their cut episodes as truncated with ``infos["worker_restarted"]`` (as after a restart).
         """
         candidates = list(candidates)
         due = self.due(candidates)
         if due is not None:
             self.replace(due)
-            cut_pending.add(due)
-        self.stepped({w: slices[w].stop - slices[w].start for w in candidates if w not in cut_pending})
+            cuts.record(due, Cut.RECYCLED)
+        self.stepped({w: slices[w].stop - slices[w].start for w in candidates if w not in cuts})
 
     def replace(self, worker_id: int) -> None:
         """A new process for ``worker_id``, its envs rebuilt; the caller reports the cut episodes."""

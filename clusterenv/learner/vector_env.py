@@ -15,6 +15,7 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.async_vector_env import AsyncState
 
 from clusterenv.launch.launchers import Launcher
+from clusterenv.learner.cuts import Cut
 from clusterenv.learner.first_ready import FirstReady, Ready
 from clusterenv.learner.pool import Command, FollowUp, OnLoss, WorkerPool, weak_callback
 from clusterenv.learner.recycling import Recycle, Recycler
@@ -191,10 +192,6 @@ class ClusterEnv(VectorEnv):
         self._first_ready = FirstReady(self._slices, self.num_envs)
         self._observation_mode = observation_mode
         self._pending: list[int] = []  # the workers whose replies the pending call waits for
-        # Workers whose envs are fresh while the caller holds their last results (moved by rebalance(), or
-        # lost while their envs were with the caller in first-ready mode): their next step reports the cut.
-        self._cut_pending: set[int] = set()
-        self._cut_now: list[int] = []  # those the pending step reports
         self._pending_indices: list[int] | None = None  # the envs a pending call_async asked, in order
 
         self._pool = WorkerPool(
@@ -368,7 +365,8 @@ class ClusterEnv(VectorEnv):
             Kind.RESET, commands, OnLoss.REPLAY
         )  # all or none: a partial reset would desynchronize the envs
         self._pending = list(commands)
-        self._cut_pending -= {w for w in commands if mask is None or mask[self._slices[w]].all()}
+        # Envs reset whole start new episodes: their cuts need no report.
+        self._pool.cuts.settle(w for w in commands if mask is None or mask[self._slices[w]].all())
         if mask is None:
             self._buffers.rewards[:] = 0.0
         self._state = AsyncState.WAITING_RESET
@@ -393,10 +391,11 @@ class ClusterEnv(VectorEnv):
         self._begin(AsyncState.WAITING_STEP, "step_async")  # a pending reset is reported first, as Async does
         if self._needs_reset:
             raise ResetNeeded("Cannot call `step` before `reset`: the environments have not been reset yet.")
+        cuts = self._pool.cuts
         if self._recycler is not None:  # a recycled worker's fresh envs join the moved ones
-            self._recycler.before_step(range(self.num_workers), self._cut_pending, self._slices)
-        # Moved workers' fresh envs do not step: this step reports their cut episodes.
-        stepping = [w for w in range(self.num_workers) if w not in self._cut_pending]
+            self._recycler.before_step(range(self.num_workers), cuts, self._slices)
+        # The fresh envs of workers cut since the last step do not step: this step reports their cut episodes.
+        stepping = [w for w in range(self.num_workers) if w not in cuts]
         if self._action_specs is None:  # no fixed array form (Text, Graph, ...): each env's action, pickled
             items = action_items(actions, self.action_space, self.num_envs)
             commands: dict[int, Command] = {
@@ -407,7 +406,6 @@ class ClusterEnv(VectorEnv):
             commands = {w: (None, [leaf[self._slices[w]] for leaf in leaves], ()) for w in stepping}
         self._pool.send_each(Kind.STEP, commands, OnLoss.INTERRUPT)  # the cut episodes are reported as truncated
         self._pending = stepping
-        self._cut_now, self._cut_pending = sorted(self._cut_pending), set()
         self._state = AsyncState.WAITING_STEP
 
     def step_wait(self, timeout: float | None = None) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
@@ -416,8 +414,7 @@ class ClusterEnv(VectorEnv):
         replies = self._pool.gather(self._pending, "stepping", self.timeout if timeout is None else timeout)
         self._state = AsyncState.DEFAULT
         infos = self._collect(replies, step=True)
-        interrupted = sorted({*self._pool.take_interrupted(), *self._cut_now})
-        self._cut_now = []
+        interrupted = list(self._pool.cuts.take())  # cut before this step, or while it ran
         if interrupted:
             infos = self._report_interrupted(infos, interrupted)
         buffers = self._buffers
@@ -484,15 +481,15 @@ class ClusterEnv(VectorEnv):
             self._state = AsyncState.WAITING_STEP
         # A replacement's envs are reset by the restart hook, and recv() reports their cut episodes;
         # a moved worker's (rebalance, recycling) are reset here, and reported the same way.
+        cuts = self._pool.cuts
         if self._recycler is not None:
-            self._recycler.before_step([w for w, _ in plan], self._cut_pending, self._slices)
-        moved = [(w, rows) for w, rows in plan if w in self._cut_pending]
-        stepping = [(w, rows) for w, rows in plan if w not in self._cut_pending]
+            self._recycler.before_step([w for w, _ in plan], cuts, self._slices)
+        moved = cuts.take(w for w, _ in plan)
+        stepping = [(w, rows) for w, rows in plan if w not in moved]
         self._pool.send_each(Kind.STEP, self._first_ready.step_commands(leaves, stepping), OnLoss.REISSUE)
         self._first_ready.in_flight.update((w, "step") for w, _ in stepping)
-        for w, _ in moved:
+        for w in moved:
             self._first_ready.reset_moved(self._pool, w)
-            self._cut_pending.discard(w)
 
     def recv(self, timeout: float | None = None) -> Ready:
         """The results of the first ``batch_size`` envs to be ready.
@@ -547,12 +544,13 @@ class ClusterEnv(VectorEnv):
             moved = self._pool.rebalance(wait)
         finally:
             self._state = AsyncState.DEFAULT
-        self._cut_pending.update(moved)
+        for worker_id in moved:
+            self._pool.cuts.record(worker_id, Cut.MOVED)
         return moved
 
     def note_cuts_reported(self, worker_ids: Iterable[int]) -> None:
-        """For extensions: these workers' moved envs had their cut reported another way (a rollout on fresh envs)."""
-        self._cut_pending.difference_update(worker_ids)
+        """For extensions: these workers' cut envs had their cut reported another way (a rollout on fresh envs)."""
+        self._pool.cuts.settle(worker_ids)
 
     def _reset_replacement_in_flight(self, worker_id: int) -> list[FollowUp]:
         """A restart hook for first-ready batches: report the cut episodes of a replaced (or re-homed) worker."""
@@ -562,7 +560,7 @@ class ClusterEnv(VectorEnv):
         if first_ready.busy_workers():
             # Lost while its envs were in the caller's hands (recv() returned them): the next send() resets
             # the fresh envs instead of stepping them, and recv() reports the cut.
-            self._cut_pending.add(worker_id)
+            self._pool.cuts.record(worker_id, Cut.REHOMED if self.on_worker_failure == "rehome" else Cut.RESTARTED)
         return []
 
     # -- attributes ------------------------------------------------------------------------
