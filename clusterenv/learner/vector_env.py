@@ -339,8 +339,14 @@ class ClusterEnv(VectorEnv):
     ) -> tuple[Any, dict[str, Any]]:
         """Reset the envs (all, or those in ``options["reset_mask"]``), like ``SyncVectorEnv.reset``.
 
-        ``options`` may also be a list with one options dict (or ``None``) per env, which
-        ``SyncVectorEnv`` cannot express: env ``i`` is then reset with ``options[i]``.
+        Args:
+            seed: ``None``; an int (env ``i`` gets ``seed + i``); or one seed (or ``None``) per env.
+            options: passed to every env's ``reset`` (``reset_mask``, a boolean array, picks the
+                envs to reset); or a list with one options dict (or ``None``) per env, which
+                ``SyncVectorEnv`` cannot express: env ``i`` is then reset with ``options[i]``.
+
+        Returns:
+            The batched observations and infos.
         """
         self.reset_async(seed=seed, options=options)
         return self.reset_wait()
@@ -350,7 +356,12 @@ class ClusterEnv(VectorEnv):
         seed: int | list[int | None] | None = None,
         options: dict[str, Any] | Sequence[dict[str, Any] | None] | None = None,
     ) -> None:
-        """Send the reset to the workers without waiting for the observations."""
+        """Send the reset to the workers without waiting for the observations (:meth:`reset_wait` returns them).
+
+        Args:
+            seed: as for :meth:`reset`.
+            options: as for :meth:`reset`.
+        """
         self._begin(AsyncState.WAITING_RESET, "reset_async")
         seeds = check_seeds(seed, self.num_envs)
         options, mask = check_reset_options(options, self.num_envs)
@@ -372,7 +383,14 @@ class ClusterEnv(VectorEnv):
         self._state = AsyncState.WAITING_RESET
 
     def reset_wait(self, timeout: float | None = None) -> tuple[Any, dict[str, Any]]:
-        """Wait for the observations of a ``reset_async``; ``timeout`` defaults to the env's."""
+        """Wait for the observations of a ``reset_async``.
+
+        Args:
+            timeout: seconds to wait; ``None``: the env's ``timeout``.
+
+        Returns:
+            The batched observations and infos, as :meth:`reset` returns them.
+        """
         self._end(AsyncState.WAITING_RESET, "reset_wait")
         replies = self._pool.gather(self._pending, "resetting", self.timeout if timeout is None else timeout)
         self._state = AsyncState.DEFAULT
@@ -382,12 +400,23 @@ class ClusterEnv(VectorEnv):
 
     # -- step ------------------------------------------------------------------------------
     def step(self, actions: Any) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
-        """Step every env with its action; returns batched ``(obs, rewards, terminations, truncations, infos)``."""
+        """Step every env with its action, exactly as ``SyncVectorEnv.step`` does.
+
+        Args:
+            actions: one action per env, batched as ``action_space`` describes.
+
+        Returns:
+            The batched ``(obs, rewards, terminations, truncations, infos)``.
+        """
         self.step_async(actions)
         return self.step_wait()
 
     def step_async(self, actions: Any) -> None:
-        """Send the actions to the workers without waiting for the results."""
+        """Send the actions to the workers without waiting for the results (:meth:`step_wait` returns them).
+
+        Args:
+            actions: one action per env, as for :meth:`step`.
+        """
         self._begin(AsyncState.WAITING_STEP, "step_async")  # a pending reset is reported first, as Async does
         if self._needs_reset:
             raise ResetNeeded("Cannot call `step` before `reset`: the environments have not been reset yet.")
@@ -409,7 +438,14 @@ class ClusterEnv(VectorEnv):
         self._state = AsyncState.WAITING_STEP
 
     def step_wait(self, timeout: float | None = None) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
-        """Wait for the results of a ``step_async``; ``timeout`` defaults to the env's."""
+        """Wait for the results of a ``step_async``.
+
+        Args:
+            timeout: seconds to wait; ``None``: the env's ``timeout``.
+
+        Returns:
+            The batched ``(obs, rewards, terminations, truncations, infos)``, as :meth:`step` returns them.
+        """
         self._end(AsyncState.WAITING_STEP, "step_wait")
         replies = self._pool.gather(self._pending, "stepping", self.timeout if timeout is None else timeout)
         self._state = AsyncState.DEFAULT
@@ -452,6 +488,10 @@ class ClusterEnv(VectorEnv):
 
         Each env's trajectory is exactly that of the same env stepped alone with its seed
         (``seed + i`` for env ``i``) and the actions :meth:`send` gives it.
+
+        Args:
+            seed: as for :meth:`reset`.
+            options: passed to every env's ``reset`` (no ``reset_mask``: every env is reset).
         """
         check_first_ready(self._observation_mode, self.autoreset_mode)
         if options is not None and "reset_mask" in options:
@@ -463,7 +503,9 @@ class ClusterEnv(VectorEnv):
     def send(self, actions: Any, env_ids: Any) -> None:
         """Step the envs ``env_ids`` (whole workers, as :meth:`recv` returned them) with ``actions``, without waiting.
 
-        ``actions[j]`` is the action of env ``env_ids[j]``.
+        Args:
+            actions: ``actions[j]`` is the action of env ``env_ids[j]``.
+            env_ids: the envs to step: whole workers' envs, as :meth:`recv` returned them.
         """
         self._assert_is_running()
         check_first_ready(self._observation_mode)
@@ -494,12 +536,16 @@ class ClusterEnv(VectorEnv):
     def recv(self, timeout: float | None = None) -> Ready:
         """The results of the first ``batch_size`` envs to be ready.
 
-        Returned as ``(obs, rewards, terminations, truncations, infos, env_ids)``.
-
         That is the envs of the first ``batch_size // envs_per_worker`` workers to reply, in the
         order they replied; row ``j`` is env ``env_ids[j]``, and infos are batched over the rows.
         After :meth:`async_reset`, rewards are 0 and terminations and truncations False.
-        A ``timeout`` (default: the env's) raises ``WorkerTimeoutError``; the envs stay in flight.
+
+        Args:
+            timeout: seconds to wait (``None``: the env's ``timeout``); past it,
+                ``WorkerTimeoutError`` is raised and the envs stay in flight.
+
+        Returns:
+            ``(obs, rewards, terminations, truncations, infos, env_ids)``.
         """
         self._assert_is_running()
         needed = self.num_workers * self._batch_size // self.num_envs  # exact: whole workers
@@ -529,7 +575,12 @@ class ClusterEnv(VectorEnv):
         A moved worker's envs are rebuilt from their factories in the new process and start new episodes:
         the next ``step`` (or ``recv``, or ``PolicyRunner`` rollout) reports the cut episodes truncated and
         flagged ``infos["worker_restarted"]``, as a restart does. Needs ``on_worker_failure="rehome"``.
-        ``wait``: if no process has connected yet, wait up to this many seconds for one.
+
+        Args:
+            wait: if no process has connected yet, wait up to this many seconds for one.
+
+        Returns:
+            The workers whose envs moved.
         """
         if self.on_worker_failure != "rehome":
             raise ValueError(
@@ -568,7 +619,13 @@ class ClusterEnv(VectorEnv):
     # ``has_attr`` probes with ``except AttributeError``): it is raised as its own type (also a
     # ``RemoteEnvError``) and the envs stay usable, as with ``SyncVectorEnv``.
     def call_async(self, name: str, *args: Any, **kwargs: Any) -> None:
-        """Ask every env for ``name`` (called with the arguments if it is callable)."""
+        """Ask every env for ``name`` without waiting (:meth:`call_wait` returns the results).
+
+        Args:
+            name: an attribute of the envs; called with the arguments if it is callable.
+            *args: positional arguments of the call.
+            **kwargs: keyword arguments of the call.
+        """
         self._call_async("call_async", None, check_attribute_name(name), args, kwargs, f"arguments of call({name!r})")
 
     def _call_async(
@@ -584,7 +641,11 @@ class ClusterEnv(VectorEnv):
         self._state = AsyncState.WAITING_CALL
 
     def call_wait(self, timeout: float | None = None) -> tuple[Any, ...]:
-        """The per-env results of a ``call_async``, in env order."""
+        """The per-env results of a ``call_async``, in env order.
+
+        Args:
+            timeout: seconds to wait; ``None``: the env's ``timeout``.
+        """
         self._end(AsyncState.WAITING_CALL, "call_wait")
         try:
             replies = self._pool.gather(
@@ -596,7 +657,13 @@ class ClusterEnv(VectorEnv):
         return tuple(in_index_order(self._pending_indices, self._slices, results))
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
-        """Call ``name`` on every env (or read it, if not callable); results in env order."""
+        """Call ``name`` on every env (or read it, if not callable); results in env order.
+
+        Args:
+            name: an attribute of the envs.
+            *args: positional arguments of the call.
+            **kwargs: keyword arguments of the call.
+        """
         self.call_async(name, *args, **kwargs)
         return self.call_wait()
 
@@ -616,9 +683,13 @@ class ClusterEnv(VectorEnv):
     def apply(self, fn: Callable[[Env], Any], indices: Any = None) -> tuple[Any, ...]:
         """``fn(env)`` for every env (or those in ``indices``), run in the env's own process; the results.
 
-        ``fn`` (picklable) travels cloudpickled, like the env factories; its results travel back
-        pickled. It sees each env as its factory made it (wrappers included), e.g.
-        ``envs.apply(lambda env: env.spec.id)``. ``indices`` as for :meth:`get_attr`.
+        ``fn`` travels cloudpickled, like the env factories; its results travel back pickled.
+        It sees each env as its factory made it (wrappers included), e.g.
+        ``envs.apply(lambda env: env.spec.id)``.
+
+        Args:
+            fn: a picklable callable taking one env.
+            indices: as for :meth:`get_attr`.
         """
         if not callable(fn):
             raise TypeError(f"`fn` must be a callable taking one env, got {type(fn).__name__}.")
@@ -626,7 +697,13 @@ class ClusterEnv(VectorEnv):
         return self.call_wait()
 
     def set_attr(self, name: str, values: list[Any] | tuple[Any, ...] | Any, indices: Any = None) -> None:
-        """Set attribute ``name`` on every env (or those in ``indices``): one value each, or the same value for all."""
+        """Set attribute ``name`` on every env (or those in ``indices``).
+
+        Args:
+            name: the attribute.
+            values: one value per env chosen (a list or tuple), or one value for all of them.
+            indices: as for :meth:`get_attr`.
+        """
         name = check_attribute_name(name)
         chosen = check_indices(indices, self.num_envs)
         values = per_env_values(values, self.num_envs if chosen is None else len(chosen))
@@ -658,7 +735,13 @@ class ClusterEnv(VectorEnv):
 
     # -- shutdown --------------------------------------------------------------------------
     def close_extras(self, timeout: float | None = None, terminate: bool = False, **kwargs: Any) -> None:
-        """Ask workers to close their envs and exit; kill those that do not within the grace period."""
+        """Ask workers to close their envs and exit; kill those that do not within the grace period.
+
+        Args:
+            timeout: the grace period, in seconds (``None``: 5 s).
+            terminate: kill the workers at once, without asking.
+            **kwargs: ignored (``VectorEnv.close`` passes its own).
+        """
         in_flight = bool(self._first_ready.busy_workers())
         pending = self._state is not AsyncState.DEFAULT and self._holder is None and not in_flight
         abandoned = self._state.value
