@@ -181,3 +181,21 @@ def test_a_worker_killed_mid_prefetch_is_replaced_under_restart():
         runner.stop()
     finally:
         envs.close()
+
+
+@pytest.mark.parametrize(
+    ("prefetch", "mode"), [(0, "LockstepRunner"), (1, "PrefetchingRunner"), (3, "PrefetchingRunner")]
+)
+def test_policy_runner_makes_the_runner_of_its_mode(prefetch, mode):
+    with cartpoles(4, 2) as envs:
+        runner = PolicyRunner(envs, linear_policy(4, 2, seed=0), seed=0, prefetch=prefetch)
+        assert isinstance(runner, PolicyRunner) and type(runner).__name__ == mode
+        assert runner.prefetch == prefetch
+        assert runner.rollout(4).obs.shape == (4, 4, 4)
+        runner.stop()
+
+
+@pytest.mark.parametrize("prefetch", [-1, 1.5, True])
+def test_a_prefetch_that_is_not_a_count_is_refused(prefetch):
+    with cartpoles(4, 2) as envs, pytest.raises(PolicyError, match="`prefetch` must be a non-negative integer"):
+        PolicyRunner(envs, linear_policy(4, 2, seed=0), prefetch=prefetch)

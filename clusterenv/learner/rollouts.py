@@ -1,11 +1,16 @@
 """Rollouts with policies on the workers: the learner-side :class:`PolicyRunner`.
 
-Lockstep (``prefetch=0``): each :meth:`PolicyRunner.rollout` asks every worker for ``T``
-steps and waits; the workers idle while the learner trains.
+``PolicyRunner(envs, policy, ..., prefetch=k)`` makes the runner of one of two modes, each
+a class of its own over this module's shared base (shipping the policy, publishing
+versions, the learner's probe outputs, answering pulls, assembling batches):
 
-Prefetch (``prefetch=k``): each worker has up to ``k`` rollouts queued ahead of the one
-the learner is consuming, so it keeps collecting while the learner trains, with a policy
-copy that may lag. The flow, per worker::
+- lockstep (``prefetch=0``, :class:`~clusterenv.learner.lockstep_rollouts.LockstepRunner`):
+  each :meth:`PolicyRunner.rollout` asks every worker for ``T`` steps and waits; the workers
+  idle while the learner trains;
+- prefetch (``prefetch=k``, :class:`~clusterenv.learner.prefetched_rollouts.PrefetchingRunner`):
+  each worker has up to ``k`` rollouts queued ahead of the one the learner is consuming, so
+  it keeps collecting while the learner trains, with a policy copy that may lag. The flow,
+  per worker::
 
     learner                                       worker
     ROLLOUT_AHEAD(id, T, head, learner_version) →      (queued; executed in id order)
@@ -25,9 +30,8 @@ The worker side is :mod:`clusterenv.worker.local_policy`. This module imports to
 
 from __future__ import annotations
 
-import contextlib
+import abc
 import copy
-import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +39,7 @@ import cloudpickle
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
-from clusterenv.errors import PolicyError, ProtocolError, WorkerTimeoutError
+from clusterenv.errors import PolicyError, ProtocolError
 from clusterenv.learner.pool import FollowUp, OnLoss, WorkerPool, weak_callback
 from clusterenv.learner.rollout_batch import RolloutBatch
 from clusterenv.learner.step_buffers import restarted_records
@@ -44,16 +48,7 @@ from clusterenv.policy.heads import Head, default_head
 from clusterenv.policy.strategies import EveryUpdate, SyncStrategy, Telemetry, WorkerTelemetry, probe_rows
 from clusterenv.wire.infos import InfoPayload, InfoRecord, merge_infos, replay_infos
 from clusterenv.wire.leaves import leaf_specs, unflatten
-from clusterenv.wire.messages import (
-    ProbeMeta,
-    RolloutAheadMeta,
-    RolloutMeta,
-    RolloutResultMeta,
-    SetPolicyMeta,
-    WeightsMeta,
-    WeightsRequestMeta,
-    meta_of,
-)
+from clusterenv.wire.messages import RolloutResultMeta, SetPolicyMeta, WeightsMeta, meta_of
 from clusterenv.wire.protocol import ROLLOUT_FIELDS, Kind, Message, split_rollout_frames
 
 if TYPE_CHECKING:
@@ -62,10 +57,17 @@ if TYPE_CHECKING:
 
     from clusterenv.policy.shipping import LocalPolicy
 
-__all__ = ["PolicyRunner", "RolloutBatch"]
+__all__ = ["PolicyRunner", "RolloutBatch", "check_prefetch"]
 
 
-class PolicyRunner:
+def check_prefetch(prefetch: Any) -> int:
+    """``prefetch`` if it is a non-negative integer (0: lockstep), else :class:`PolicyError`."""
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise PolicyError(f"`prefetch` must be a non-negative integer (0: lockstep), got {prefetch!r}.")
+    return prefetch
+
+
+class PolicyRunner(abc.ABC):
     """Collect rollouts with a local copy of ``policy`` in every worker of a :class:`ClusterEnv`.
 
     The runner ships the policy once, then each :meth:`rollout` returns ``num_steps`` steps
@@ -112,6 +114,16 @@ class PolicyRunner:
         1
         >>> envs.close()
     """
+
+    def __new__(cls, *args: Any, prefetch: int = 0, **kwargs: Any) -> PolicyRunner:
+        """The runner of the mode ``prefetch`` asks for: lockstep (0) or prefetching (1 or more)."""
+        if cls is PolicyRunner:
+            # The modes subclass this class, so they are imported here, not at the top.
+            from clusterenv.learner.lockstep_rollouts import LockstepRunner
+            from clusterenv.learner.prefetched_rollouts import PrefetchingRunner
+
+            cls = PrefetchingRunner if check_prefetch(prefetch) else LockstepRunner
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -176,9 +188,7 @@ class PolicyRunner:
             raise PolicyError(f"`sync` must be a SyncStrategy such as APS(threshold=0.01), got {sync!r}.")
         if isinstance(probe_steps, bool) or not isinstance(probe_steps, int) or probe_steps < 1:
             raise PolicyError(f"`probe_steps` must be a positive integer, got {probe_steps!r}.")
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise PolicyError(f"`prefetch` must be a non-negative integer (0: lockstep), got {prefetch!r}.")
-        self.envs, self.sync, self.seed, self.prefetch = envs, sync, seed, prefetch
+        self.envs, self.sync, self.seed, self.prefetch = envs, sync, seed, check_prefetch(prefetch)
         self.head: Head = default_head(envs.single_action_space) if head is None else head
         self.probe_steps = probe_steps
         self.send_probes = measure_kl or sync.needs_kl
@@ -196,7 +206,6 @@ class PolicyRunner:
         # Per worker, its latest probe states: one array per observation leaf, (states, *leaf_shape).
         self._probe_obs: list[list[np.ndarray] | None] = [None] * envs.num_workers
         self._telemetry = Telemetry([WorkerTelemetry(w) for w in range(envs.num_workers)])
-        self._stream = _Stream(envs.num_workers) if prefetch else None
         self._ship(cloudpickle.dumps(sync))
 
     # -- shipping --------------------------------------------------------------------------
@@ -222,13 +231,10 @@ class PolicyRunner:
         return FollowUp(Kind.SET_POLICY, meta, self._weights, [self._architecture, self._strategy], OnLoss.RAISE)
 
     def _reinstall(self, worker_id: int) -> list[FollowUp]:
-        """A restart hook: the policy again, then (prefetching) the rollouts that were lost with the worker."""
-        install = self._policy_message(worker_id)._replace(
-            awaited=f"installing the local policy on a replacement for worker {worker_id}"
-        )
+        """A restart hook: the policy again, at the current version, on the worker's new host."""
         self._probe_obs[worker_id] = None
-        ahead = [] if self._stream is None else self._stream.in_flight(worker_id)
-        return [install, *(FollowUp(Kind.ROLLOUT_AHEAD, meta, on_loss=OnLoss.REISSUE) for meta in ahead)]
+        awaited = f"installing the local policy on a replacement for worker {worker_id}"
+        return [self._policy_message(worker_id)._replace(awaited=awaited)]
 
     def _timeout(self) -> float | None:
         return self.envs.timeout if self.timeout is None else self.timeout
@@ -270,18 +276,12 @@ class PolicyRunner:
         self._version += 1
         self._weights = weights
         self._learner.copy_from(source, self._version)
-        if self._stream is not None and self._stream.started:
-            answered = set(self._pump(0.0))  # their results got this version's probe outputs already
-            outputs = self._probe_outputs() if self.send_probes else [None] * self.envs.num_workers
-            for w in range(self.envs.num_workers):
-                if self.sync.pulls_every_version:
-                    # The worker would ask for it at once; sending it now saves the request's
-                    # round trip, which would wait for the learner's next rollout() call.
-                    self._send_weights(w)
-                    self._stream.pushed[w] = self._version
-                if w not in answered:
-                    self._send_probe(w, outputs=outputs[w])
+        self._published()
         return self._version
+
+    @abc.abstractmethod
+    def _published(self) -> None:
+        """What a mode does once a version is published (a prefetching runner tells its workers)."""
 
     @property
     def device(self) -> torch.device:
@@ -300,10 +300,7 @@ class PolicyRunner:
         Both stay within ``prefetch`` beyond what :meth:`rollout`/:meth:`fragments` asked for; all zeros
         without prefetching or after :meth:`stop`.
         """
-        stream = self._stream
-        if stream is None:
-            return [(0, 0)] * self.envs.num_workers
-        return [(len(stream.results[w]), len(stream.sent[w])) for w in range(len(stream.sent))]
+        return [(0, 0)] * self.envs.num_workers
 
     @property
     def telemetry(self) -> Telemetry:
@@ -313,6 +310,11 @@ class PolicyRunner:
         return snapshot
 
     # -- rollouts --------------------------------------------------------------------------
+    #: Whether a worker's probe states are taken from each batch as it is assembled (lockstep),
+    #: rather than from each result as it arrives (prefetch).
+    probes_from_batches = True
+
+    @abc.abstractmethod
     def rollout(self, num_steps: int, *, head: Head | None = None) -> RolloutBatch:
         """``num_steps`` steps of every env, acted by the workers' local policies.
 
@@ -328,23 +330,6 @@ class PolicyRunner:
         Returns:
             The transitions, see :class:`RolloutBatch`.
         """
-        self._check_steps(num_steps)
-        head = self.head if head is None else head
-        if self._stream is None:
-            return self._lockstep(num_steps, head)
-        stream = self._stream
-        if stream.mode == "fragments":
-            raise PolicyError("This runner is streaming fragments(); call stop() before rollout().")
-        stream.mode = "batches"
-        self._refill(range(self.envs.num_workers), num_steps, head)
-        wanted = stream.consumed.copy()
-        deadline = self._deadline()
-        while any(wanted[w] not in stream.results[w] for w in range(self.envs.num_workers)):
-            self._pump(self._remaining(deadline, "waiting for a prefetched rollout"))
-        replies = {w: stream.results[w].pop(wanted[w]) for w in range(self.envs.num_workers)}
-        for w in replies:
-            stream.consumed[w] += 1
-        return self._assemble(replies, num_steps)
 
     def fragments(self, num_steps: int, *, head: Head | None = None) -> Iterator[RolloutBatch]:
         """Yield each worker's ``num_steps`` steps as soon as they arrive, for off-policy learners.
@@ -354,25 +339,7 @@ class PolicyRunner:
         rollouts ahead (at least one). ``head`` applies to the rollouts requested from then on.
         Successive fragments of one worker continue each other exactly.
         """
-        self._check_steps(num_steps)
-        stream = self._stream
-        if stream is None:
-            raise PolicyError("fragments() streams rollouts ahead of the learner: make the runner with prefetch >= 1.")
-        if stream.mode == "batches":
-            raise PolicyError("This runner is serving rollout(); call stop() before fragments().")
-        stream.mode = "fragments"
-        self._refill(range(self.envs.num_workers), num_steps, self.head if head is None else head)
-        while True:
-            deadline = self._deadline()
-            ready = [w for w in range(self.envs.num_workers) if stream.consumed[w] in stream.results[w]]
-            while not ready:
-                arrived = self._pump(self._remaining(deadline, "waiting for a rollout fragment"))
-                ready = [w for w in arrived if stream.consumed[w] in stream.results[w]]
-            w = ready[0]
-            msg = stream.results[w].pop(stream.consumed[w])
-            stream.consumed[w] += 1
-            self._refill([w], num_steps, self.head if head is None else head)
-            yield self._assemble({w: msg}, num_steps)
+        raise PolicyError("fragments() streams rollouts ahead of the learner: make the runner with prefetch >= 1.")
 
     def stop(self) -> list[RolloutBatch]:
         """End prefetching: wait for the rollouts collected ahead and return them, oldest first.
@@ -381,152 +348,11 @@ class PolicyRunner:
         step the workers took ahead. Afterwards the envs accept ``step``/``reset`` again, and
         the next ``rollout`` starts prefetching anew.
         """
-        stream = self._stream
-        if stream is None or not stream.started:
-            return []
-        deadline = self._deadline()
-        while any(stream.in_flight(w) for w in range(self.envs.num_workers)):
-            self._pump(self._remaining(deadline, "finishing the prefetched rollouts"))
-        leftovers: list[RolloutBatch] = []
-        steps = stream.num_steps
-        if stream.mode == "batches":
-            while all(stream.consumed[w] in stream.results[w] for w in range(self.envs.num_workers)):
-                replies = {w: stream.results[w].pop(stream.consumed[w]) for w in range(self.envs.num_workers)}
-                stream.consumed = [c + 1 for c in stream.consumed]
-                leftovers.append(self._assemble(replies, steps))
-        else:
-            for w in range(self.envs.num_workers):
-                while stream.consumed[w] in stream.results[w]:
-                    leftovers.append(self._assemble({w: stream.results[w].pop(stream.consumed[w])}, steps))
-                    stream.consumed[w] += 1
-        stream.hold.close()
-        self._stream = _Stream(self.envs.num_workers, next_id=max(stream.next_id))
-        return leftovers
+        return []
 
     def _check_steps(self, num_steps: int) -> None:
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
             raise ValueError(f"`num_steps` must be a positive integer, got {num_steps!r}.")
-        stream = self._stream
-        if stream is not None and stream.started and num_steps != stream.num_steps:
-            raise PolicyError(
-                f"A prefetching runner collects rollouts of a fixed length: it was started with num_steps="
-                f"{stream.num_steps}, got {num_steps}. Call stop() first to change it."
-            )
-
-    def _lockstep(self, num_steps: int, head: Head) -> RolloutBatch:
-        envs = self.envs
-        if envs.needs_reset:
-            envs.reset(seed=self.seed)
-        outputs = self._probe_outputs() if self.send_probes else [None] * envs.num_workers
-        meta = RolloutMeta(
-            num_steps=num_steps, learner_version=self._version, head=head.to_meta(), probe_steps=self.probe_steps
-        )
-        with envs.pending_call() as pool:
-            envs.note_cuts_reported(range(pool.num_workers))  # a moved worker's rollout starts new episodes, flagged
-            for w, probe in enumerate(outputs):
-                # A replacement gets the policy again (the restart hook), then this rollout on its fresh envs.
-                pool.send(w, Kind.ROLLOUT, meta, [] if probe is None else [probe], on_loss=OnLoss.REPLAY)
-                if probe is not None:
-                    self._telemetry.workers[w].probe_bytes += probe.nbytes
-            replies = pool.gather(
-                range(pool.num_workers), "running the local policies", self._timeout(), self._answer_pull
-            )
-        return self._assemble(replies, num_steps)
-
-    # -- prefetch --------------------------------------------------------------------------
-    def _refill(self, worker_ids: Any, num_steps: int, head: Head) -> None:
-        """Keep ``prefetch`` rollouts queued ahead of the one being consumed, per worker."""
-        stream = self._stream
-        assert stream is not None
-        if not stream.started:
-            if self.envs.needs_reset:
-                self.envs.reset(seed=self.seed)
-            stream.hold = contextlib.ExitStack()
-            stream.hold.enter_context(self.envs.pending_call("a prefetching PolicyRunner; call runner.stop() first"))
-            self.envs.note_cuts_reported(range(self.envs.num_workers))  # the first rollouts start new episodes there
-            stream.num_steps, stream.started = num_steps, True
-        pool = self.envs.pool
-        for w in worker_ids:
-            # rollout() refills before taking the oldest batch, fragments() after taking one: either
-            # way at most `prefetch` results per worker wait while the learner works.
-            while stream.next_id[w] - stream.consumed[w] < self.prefetch + (stream.mode == "batches"):
-                meta = RolloutAheadMeta(
-                    num_steps=num_steps,
-                    learner_version=self._version,
-                    head=head.to_meta(),
-                    probe_steps=self.probe_steps,
-                    rollout_id=stream.next_id[w],
-                    keep_probes=self.prefetch + 2,
-                )
-                # A replacement gets the policy again, then these rollouts (the restart hook re-issues them).
-                pool.send(w, Kind.ROLLOUT_AHEAD, meta, on_loss=OnLoss.REISSUE)
-                stream.sent[w][stream.next_id[w]] = meta
-                stream.next_id[w] += 1
-
-    def _pump(self, timeout: float) -> list[int]:
-        """Handle what the workers sent within ``timeout`` seconds: results, pulls. Returns who sent a result."""
-        stream = self._stream
-        assert stream is not None
-        pool, arrived = self.envs.pool, []
-        while (received := pool.receive("running the local policies", timeout)) is not None:
-            w, msg = received
-            timeout = 0.0  # after the first message, take only what has already arrived
-            if msg.kind is Kind.WEIGHTS_REQUEST:
-                if meta_of(msg, WeightsRequestMeta)["version"] < stream.pushed[w]:
-                    continue  # asked before a pushed version reached it: that push is the answer
-                self._send_weights(w)
-            elif msg.kind is Kind.ROLLOUT_RESULT:
-                rollout_id = meta_of(msg, RolloutResultMeta)["rollout_id"]
-                if stream.sent[w].pop(rollout_id, None) is None:
-                    continue  # already answered before its worker was replaced
-                stream.results[w][rollout_id] = msg
-                self._keep_probe_states(w, self._frames(w, msg)[0])
-                self._send_probe(w, rollout_id)
-                arrived.append(w)
-            else:
-                raise ProtocolError(f"Worker {w} sent {msg.kind.name} during a prefetched rollout.")
-        return arrived
-
-    def _send_weights(self, worker_id: int) -> None:
-        """Send the latest version's weights to a prefetching worker (it acts with them from its next step)."""
-        self.envs.pool.send(worker_id, Kind.PUSH_WEIGHTS, WeightsMeta(version=self._version), self._weights)
-        record = self._telemetry.workers[worker_id]
-        record.pulls += 1
-        record.weight_bytes += sum(a.nbytes for a in self._weights)
-
-    def _send_probe(self, worker_id: int, rollout_id: int | None = None, outputs: np.ndarray | None = None) -> None:
-        """Send the latest version's outputs on the worker's latest probe states (prefetch mode).
-
-        ``outputs``: already computed (``publish`` computes every worker's in one forward pass).
-        """
-        stream = self._stream
-        assert stream is not None
-        obs = self._probe_obs[worker_id]
-        if obs is None or not self.send_probes:
-            return
-        rollout_id = stream.probe_id[worker_id] if rollout_id is None else rollout_id
-        stream.probe_id[worker_id] = rollout_id
-        if outputs is None:
-            outputs = self._learner.outputs(unflatten(self.envs.single_observation_space, obs))
-        meta = ProbeMeta(rollout_id=rollout_id, version=self._version)
-        self.envs.pool.send(worker_id, Kind.PROBE, meta, [outputs])
-        self._telemetry.workers[worker_id].probe_bytes += outputs.nbytes
-
-    def _deadline(self) -> float | None:
-        timeout = self._timeout()
-        return None if timeout is None else time.monotonic() + timeout
-
-    def _remaining(self, deadline: float | None, doing: str) -> float:
-        if deadline is None:
-            return 1.0
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            self.envs.close(terminate=True)
-            raise WorkerTimeoutError(
-                f"No rollout arrived within {self._timeout()} s while {doing}; the ClusterEnv was closed. "
-                "Raise `timeout` if rollouts take this long."
-            )
-        return remaining
 
     # -- learner-side probes and pulls ------------------------------------------------------
     def _probe_outputs(self) -> list[np.ndarray | None]:
@@ -594,7 +420,7 @@ class PolicyRunner:
             meta = meta_of(msg, RolloutResultMeta)
             if meta["kl"] is not None:
                 record.record_kl(float(meta["kl"]))
-            if self._stream is None:  # prefetch mode keeps them as each result arrives
+            if self.probes_from_batches:
                 self._keep_probe_states(w, obs)
             if msg.blobs[0]:
                 logs.append((offset, envs.pool.loads(msg.blobs[0])))
@@ -618,23 +444,3 @@ class PolicyRunner:
         return RolloutBatch(
             obs=obs_tree, next_obs=next_tree, **arrays, infos=infos, learner_version=self._version, env_ids=env_ids
         )
-
-
-class _Stream:
-    """The prefetch bookkeeping of a runner: per worker, rollout ids sent, consumed, and results held."""
-
-    def __init__(self, num_workers: int, next_id: int = 0) -> None:
-        self.started = False
-        self.mode: str | None = None  # "batches" (rollout) or "fragments"
-        self.num_steps = 0
-        self.hold = contextlib.ExitStack()  # the env's pending call, held while prefetching
-        self.next_id = [next_id] * num_workers
-        self.consumed = [next_id] * num_workers
-        self.sent: list[dict[int, dict[str, Any]]] = [{} for _ in range(num_workers)]
-        self.results: list[dict[int, Message]] = [{} for _ in range(num_workers)]
-        self.probe_id = [0] * num_workers
-        self.pushed = [-1] * num_workers  # the latest version pushed to each worker (EveryUpdate)
-
-    def in_flight(self, worker_id: int) -> list[dict[str, Any]]:
-        """The ROLLOUT_AHEAD commands of a worker whose results have not arrived, oldest first."""
-        return [self.sent[worker_id][r] for r in sorted(self.sent[worker_id])]
