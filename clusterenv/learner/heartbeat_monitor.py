@@ -167,12 +167,13 @@ class HeartbeatMonitor:
             self._bound.set()
             return
         # Before any worker connects: a worker connects once it has its INIT.
-        monitor = channel.monitor = channel.zmq_socket.get_monitor_socket(_LEARNER_EVENTS)
-        channel.track_source = True
+        carrier = channel.zmq_carrier
+        monitor = carrier.monitor = carrier.socket.get_monitor_socket(_LEARNER_EVENTS)
+        carrier.track_source = True
         self.endpoint = channel.endpoint
         wake = self._waker.open()
         poller = zmq.Poller()
-        for socket in (channel.socket, monitor, wake):
+        for socket in (carrier.socket, monitor, wake):
             poller.register(socket, zmq.POLLIN)
         # Woken by messages, connection events and close(); the timeout only bounds how stale
         # the tick that expired() measures silence against may get.
@@ -188,8 +189,8 @@ class HeartbeatMonitor:
                     # earlier one that had the same descriptor, before the message arrived.
                     self._apply(monitor_events(monitor))
                     sender, msg = received
-                    if msg.kind is Kind.HEARTBEAT and sender is not None and channel.source_fd is not None:
-                        self._heard(sender, channel.source_fd)
+                    if msg.kind is Kind.HEARTBEAT and sender is not None and carrier.source_fd is not None:
+                        self._heard(sender, carrier.source_fd)
                     received = channel.recv(0, routed=True)
                 self._apply(monitor_events(monitor))
                 with self._lock:

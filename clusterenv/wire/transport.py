@@ -54,6 +54,7 @@ from zmq.utils import z85
 
 from clusterenv.errors import ProtocolError
 from clusterenv.wire import codecs
+from clusterenv.wire.carriers import Carrier, LearnerCarrier, PipeCarrier, SocketCarrier
 from clusterenv.wire.cleanup import scratch_dir
 from clusterenv.wire.messages import WelcomeMeta, check_meta
 from clusterenv.wire.pipes import LearnerPipes, Pipe
@@ -209,9 +210,12 @@ def _decoded(frames: list[Any], n_arrays: int, max_array_bytes: int) -> Message:
 
 @dataclass
 class Channel:
-    """A socket plus the keys, counters and framing rules used on it.
+    """The keys, counters and framing rules of a connection, over a carrier that moves its records.
 
     Attributes:
+        carrier: what moves the records, and says per peer whether their arrays are MACed and
+            may be compressed (:mod:`clusterenv.wire.carriers`): a ZeroMQ socket, a worker's
+            pipe, or the learner's socket with its pipes (from its first :meth:`add_pipe`).
         key: the shared secret (joins derive every connection's keys from it).
         sessions: per peer (``None`` on a DEALER), the keys and counters of its connection.
         accept_joins: whether peers may join here; the heartbeat socket gets its sessions
@@ -222,31 +226,24 @@ class Channel:
             The learner's is its own choice (tcp only), a worker's the one the learner's WELCOME named.
     """
 
-    socket: zmq.Socket | None  # None: a worker on a pipe (:attr:`pipe`)
+    carrier: Carrier
     key: bytes
-    cover_arrays: bool
+    #: The ZeroMQ socket's carrier (``None``: a worker on a pipe): its monitor and source tracking.
+    socket_carrier: SocketCarrier | None
     accept_joins: bool = True
     sessions: dict[bytes | None, Session] = field(default_factory=dict)
     max_message_bytes: int = MAX_MESSAGE_BYTES
     compression: str | None = None
+    #: A worker's routing id (the learner routes by its peers' ids instead).
+    identity: bytes | None = None
+    #: The learner: its pipes to the workers it started, received from together with the socket.
+    pipes: LearnerPipes | None = field(default=None, repr=False)
     _remove_tmpdir: weakref.finalize | None = field(default=None, repr=False)
-    # The receive timeout currently set on the socket (ms, -1 = forever), to set it only when it changes.
-    _rcvtimeo: int | None = field(default=None, repr=False)
     # Learner: joins under way, by peer: (learner's session, the HELLO). Worker: the nonce of its HELLO.
     _pending: dict[bytes, tuple[Session, Message]] = field(default_factory=dict, repr=False)
     _hello_nonce: bytes | None = field(default=None, repr=False)
     _hello: Session | None = field(default=None, repr=False)
     _drop_log: _DropLog = field(default_factory=_DropLog, repr=False)
-    #: Whether :meth:`recv` on a ROUTER records :attr:`source_fd` (off: it costs a call per message).
-    track_source: bool = field(default=False, repr=False)
-    #: The file descriptor of the connection the last routed message came from, as monitor events name it.
-    source_fd: int | None = field(default=None, repr=False)
-    #: Where the socket's connection events are reported (``zmq.utils.monitor``), if asked for; closed with it.
-    monitor: zmq.Socket | None = field(default=None, repr=False)
-    #: A worker started by its learner: the pipe it talks on instead of a socket (:mod:`clusterenv.wire.pipes`).
-    pipe: Pipe | None = field(default=None, repr=False)
-    #: The learner: its pipes to the workers it started, received from together with the socket.
-    pipes: LearnerPipes | None = field(default=None, repr=False)
     #: Seconds spent so far waiting for and receiving messages (the learner's waiting time).
     waited_s: float = field(default=0.0, repr=False)
 
@@ -290,10 +287,11 @@ class Channel:
             if tmpdir:
                 shutil.rmtree(tmpdir, ignore_errors=True)
             raise OSError(f"Cannot bind the learner socket to {address!r}: {exc}") from exc
+        carrier = SocketCarrier(socket, private=address.startswith("ipc://") or curve is not None)
         channel = cls(
-            socket,
+            carrier,
             key,
-            cover_arrays=not address.startswith("ipc://") and curve is None,
+            carrier,
             accept_joins=accept_joins,
             sessions={} if sessions is None else sessions,
             max_message_bytes=max_message_bytes,
@@ -335,14 +333,15 @@ class Channel:
         events = socket.get_monitor_socket(monitor) if monitor else None
         socket.connect(address)
         sessions: dict[bytes | None, Session] = {} if session is None else {None: session}
+        carrier = SocketCarrier(socket, private=address.startswith("ipc://") or curve is not None, monitor=events)
         return cls(
-            socket,
+            carrier,
             key,
-            cover_arrays=not address.startswith("ipc://") and curve is None,
+            carrier,
             accept_joins=False,
             sessions=sessions,
             max_message_bytes=max_message_bytes,
-            monitor=events,
+            identity=identity,
         )
 
     @classmethod
@@ -359,20 +358,35 @@ class Channel:
         pipe = Pipe(sock, max_message_bytes, blocking=True)
         pipe.identity = identity
         pipe.write([identity])
-        return cls(None, key, cover_arrays=False, accept_joins=False, max_message_bytes=max_message_bytes, pipe=pipe)
+        return cls(
+            PipeCarrier(pipe), key, None, accept_joins=False, max_message_bytes=max_message_bytes, identity=identity
+        )
 
     def add_pipe(self, sock: pysocket.socket) -> None:
         """Learner: take its end of the pipe to a worker it is starting (the worker joins over it)."""
         if self.pipes is None:
-            take = functools.partial(self._socket_message, zmq.NOBLOCK, True)
-            self.pipes = LearnerPipes(self.zmq_socket, take, self.max_message_bytes)
+            socket = self.zmq_carrier
+            self.pipes = LearnerPipes(
+                socket.socket, functools.partial(socket.take, zmq.NOBLOCK, True), self.max_message_bytes
+            )
+            self.carrier = LearnerCarrier(socket, self.pipes)
         self.pipes.add(sock)
+
+    @property
+    def zmq_carrier(self) -> SocketCarrier:
+        """The ZeroMQ socket's carrier (every channel but a worker's on a pipe has one)."""
+        assert self.socket_carrier is not None, "a worker on a pipe has no socket"
+        return self.socket_carrier
+
+    @property
+    def socket(self) -> zmq.Socket | None:
+        """The ZeroMQ socket (``None``: a worker on a pipe)."""
+        return None if self.socket_carrier is None else self.socket_carrier.socket
 
     @property
     def zmq_socket(self) -> zmq.Socket:
         """The ZeroMQ socket (every channel but a worker's on a pipe has one)."""
-        assert self.socket is not None, "a worker on a pipe has no socket"
-        return self.socket
+        return self.zmq_carrier.socket
 
     @property
     def endpoint(self) -> str:
@@ -389,8 +403,7 @@ class Channel:
         """Drop a peer's keys: nothing it sends is accepted any more."""
         self.sessions.pop(peer, None)
         self._pending.pop(peer, None)
-        if self.pipes is not None:
-            self.pipes.drop(peer)
+        self.carrier.forget(peer)
 
     def send(
         self,
@@ -423,17 +436,13 @@ class Channel:
             raise ProtocolError(f"Cannot send {kind.name} to {to!r}: that peer has not joined.")
         return self._encode(session, kind, meta, arrays, blobs, to)
 
-    def _on_pipe(self, peer: bytes | None) -> bool:
-        """Whether the learner talks to ``peer`` over a pipe: nothing to compress, and its arrays need no MAC."""
-        return self.pipes is not None and peer in self.pipes
-
     def _covers_arrays(self, peer: bytes | None) -> bool:
         """Whether messages to and from ``peer`` MAC their array frames too (not on ``ipc://``, Curve or a pipe)."""
-        return self.cover_arrays and not self._on_pipe(peer)
+        return self.carrier.covers_arrays(peer)
 
     def _codec(self, peer: bytes | None) -> str | None:
         """The codec of large array frames to and from ``peer`` (none on a pipe)."""
-        return None if self._on_pipe(peer) else self.compression
+        return self.compression if self.carrier.compresses(peer) else None
 
     def _encode(
         self,
@@ -469,22 +478,7 @@ class Channel:
 
     def send_frames(self, frames: list[Any], *, to: bytes | None = None) -> None:
         """Send a message encoded by :meth:`frames` (to ``to`` on a ROUTER)."""
-        if self.pipe is not None:
-            self.pipe.write(frames)
-            return
-        if self.pipes is not None and to is not None and to in self.pipes:
-            self.pipes.send(to, frames)
-            return
-        socket = self.zmq_socket
-        if to is not None:
-            socket.send(to, zmq.SNDMORE)
-        if len(frames) == 1:
-            socket.send(frames[0])  # one small frame; send_multipart's per-frame checks cost more than it
-            return
-        # A split message carries large arrays: zero-copy (pyzmq still copies frames below
-        # zmq.COPY_THRESHOLD), so callers must not write into them before the peer replies.
-        # A worker's observation buffer is written again only by the learner's next command.
-        socket.send_multipart(frames, copy=False)
+        self.carrier.send(frames, to)
 
     def _hello_session(self) -> Session:
         if self._hello is None:
@@ -503,7 +497,7 @@ class Channel:
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             started = time.perf_counter()
-            received = self._recv_frames(-1 if remaining is None else int(remaining * 1000), routed)
+            received = self.carrier.recv(-1 if remaining is None else int(remaining * 1000), routed)
             self.waited_s += time.perf_counter() - started
             if received is None:
                 return None
@@ -568,9 +562,8 @@ class Channel:
                 compression = codecs.check_codec(msg.meta["compression"])
             except ValueError as exc:
                 raise ProtocolError(f"WELCOME names an unknown codec: {exc}") from None
-            identity = self.pipe.identity if self.pipe is not None else self.zmq_socket.getsockopt(zmq.IDENTITY)
-            assert isinstance(identity, bytes)
-            _, session = session_pair(self.key, self._hello_nonce, nonce, identity)
+            assert self.identity is not None, "only a worker's channel (with its routing id) joins"
+            _, session = session_pair(self.key, self._hello_nonce, nonce, self.identity)
             self.sessions[None], self._hello_nonce, self.compression = session, None, compression
             self._send(session, Kind.JOIN, {}, (), (), None)
             return None
@@ -594,54 +587,8 @@ class Channel:
             del self._pending[sender]  # gone already
         return None
 
-    def _recv_frames(self, timeout_ms: int, routed: bool) -> tuple[bytes | None, list[Any]] | None:
-        """``(sender, frames)`` of one message (sender ``None`` unless ``routed``), or ``None`` after ``timeout_ms``.
-
-        ``timeout_ms=-1`` waits forever.
-
-        A blocking receive under ``RCVTIMEO`` costs one call where poll-then-receive costs
-        two, and uncopied frames (read through ``.more``) avoid ``recv_multipart``'s
-        per-frame option lookups; parsing copies what it keeps out of them. A learner with
-        pipes polls them and the socket together; a worker on a pipe reads only that.
-        """
-        if self.pipe is not None:
-            record = self.pipe.read(timeout_ms)
-            return None if record is None else (None, record)
-        if self.pipes:
-            return self.pipes.recv(timeout_ms)
-        if timeout_ms != self._rcvtimeo:
-            self.zmq_socket.setsockopt(zmq.RCVTIMEO, timeout_ms)
-            self._rcvtimeo = timeout_ms
-        return self._socket_message(0, routed)
-
-    def _socket_message(self, flags: int, routed: bool) -> tuple[bytes | None, list[Any]] | None:
-        """``(sender, frames)`` of one message from the ZeroMQ socket (``zmq.NOBLOCK``: only if one has arrived)."""
-        socket = self.zmq_socket
-        try:
-            frame = socket.recv(flags, copy=False)
-        except zmq.Again:
-            return None
-        frames: list[Any] = [frame]
-        while frame.more:  # the rest of a multipart message has arrived with its first frame
-            frame = socket.recv(copy=False)
-            frames.append(frame)
-        if not routed:
-            return None, frames
-        if self.track_source:
-            self.source_fd = frames[0].get(zmq.SRCFD)
-        return frames[0].bytes, frames[1:]
-
     def close(self, linger: int = 0) -> None:
-        """Close the socket (keeping unsent messages up to ``linger`` ms), the pipes, and the private ipc directory."""
-        if self.pipe is not None:
-            self.pipe.close()
-        if self.pipes is not None:
-            self.pipes.close()
-        if self.socket is None:
-            return
-        if self.monitor is not None:
-            self.socket.disable_monitor()
-            self.monitor.close(linger=0)
-        self.socket.close(linger=linger)
+        """Close the carrier (keeping unsent messages up to ``linger`` ms) and the private ipc directory."""
+        self.carrier.close(linger)
         if self._remove_tmpdir is not None:
             self._remove_tmpdir()

@@ -105,8 +105,9 @@ class HeartbeatClient:
             options={**self.config.zmtp_options(), zmq.SNDTIMEO: 0},  # never block on a learner that stopped reading
             monitor=_WORKER_EVENTS,
         )
-        assert channel.monitor is not None
-        return channel, _Link(channel.monitor)
+        monitor = channel.zmq_carrier.monitor
+        assert monitor is not None
+        return channel, _Link(monitor)
 
     def _run(self, channel: Channel, link: _Link) -> None:
         config = self.config
