@@ -25,15 +25,7 @@ class LockstepRunner(PolicyRunner):
         """Nothing to tell the workers now: each learns of the new version when its next rollout starts."""
 
     def rollout(self, num_steps: int, *, head: Head | None = None) -> RolloutBatch:
-        """``num_steps`` steps of every env, acted by the workers' local policies, after which they wait.
-
-        Args:
-            num_steps: ``T``, steps per env.
-            head: the acting head (e.g. ``EpsilonGreedy`` with the current epsilon); default ``self.head``.
-
-        Returns:
-            The transitions, see :class:`RolloutBatch`.
-        """
+        """Every env steps ``num_steps`` times now, while the learner waits (see :meth:`PolicyRunner.rollout`)."""
         self._check_steps(num_steps)
         head = self.head if head is None else head
         envs = self.envs

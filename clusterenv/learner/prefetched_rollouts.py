@@ -72,20 +72,7 @@ class PrefetchingRunner(PolicyRunner):
                 self._send_probe(w, outputs=outputs[w])
 
     def rollout(self, num_steps: int, *, head: Head | None = None) -> RolloutBatch:
-        """``num_steps`` steps of every env, acted by the workers' local policies.
-
-        With ``prefetch=k`` this returns the oldest complete batch, waiting only if it is not
-        there yet, and asks each worker for one more; successive batches continue each
-        other exactly. ``num_steps`` cannot change between calls, and ``head`` applies to the
-        rollout requested now, which is returned ``k`` calls later.
-
-        Args:
-            num_steps: ``T``, steps per env.
-            head: the acting head (e.g. ``EpsilonGreedy`` with the current epsilon); default ``self.head``.
-
-        Returns:
-            The transitions, see :class:`RolloutBatch`.
-        """
+        """The oldest complete batch, and one more rollout asked of each worker (see :meth:`PolicyRunner.rollout`)."""
         self._check_steps(num_steps)
         head = self.head if head is None else head
         stream = self._stream
