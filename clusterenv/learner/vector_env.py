@@ -15,11 +15,12 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.async_vector_env import AsyncState
 
 from clusterenv.launch.launchers import Launcher
+from clusterenv.learner.building import build_envs
 from clusterenv.learner.cuts import Cut
 from clusterenv.learner.first_ready import FirstReady, Ready
 from clusterenv.learner.pool import Command, FollowUp, OnLoss, WorkerPool, weak_callback
 from clusterenv.learner.recycling import Recycle, Recycler
-from clusterenv.learner.step_buffers import WORKER_RESTARTED_KEY, BatchBuffers, share_with_local_workers
+from clusterenv.learner.step_buffers import WORKER_RESTARTED_KEY
 from clusterenv.learner.validation import (
     action_items,
     check_actions,
@@ -41,7 +42,6 @@ from clusterenv.learner.validation import (
     default_num_workers,
     pickle_argument,
     pickle_env_fn,
-    worker_context,
 )
 from clusterenv.wire.codecs import check_codec
 from clusterenv.wire.contract import (
@@ -50,11 +50,10 @@ from clusterenv.wire.contract import (
     per_env_values,
     split_evenly,
     values_by_part,
-    vector_spaces,
 )
 from clusterenv.wire.leaves import is_array_tree, leaf_specs
 from clusterenv.wire.liveness import Heartbeat
-from clusterenv.wire.messages import CallMeta, EnvsMeta, ResetMeta
+from clusterenv.wire.messages import CallMeta, ResetMeta
 from clusterenv.wire.protocol import Kind, Message
 
 __all__ = ["WORKER_RESTARTED_KEY", "ClusterEnv"]
@@ -217,11 +216,25 @@ class ClusterEnv(VectorEnv):
         try:
             self._recycler = None if recycle is None else Recycler(recycle, self._pool)
             self._pool.start()
-            self._init_workers(pickled_fns, observation_mode, start_timeout)
+            built = build_envs(
+                self._pool,
+                self._slices,
+                pickled_fns,
+                autoreset_mode=self.autoreset_mode,
+                observation_mode=observation_mode,
+                procs_per_worker=self.procs_per_worker,
+                max_env_errors=self._max_env_errors,
+                shared_memory=self.shared_memory,
+                timeout=start_timeout,
+            )
         except BaseException:
             self.close(terminate=True)
             raise
 
+        self.metadata, self.render_mode = built.metadata, built.render_mode
+        self.single_observation_space, self.observation_space = built.single_observation_space, built.observation_space
+        self.single_action_space, self.action_space = built.single_action_space, built.action_space
+        self._buffers = built.buffers
         self._action_specs = leaf_specs(self.single_action_space) if is_array_tree(self.single_action_space) else None
         self._pool.on_restart(weak_callback(self._reset_replacement_in_flight))
 
@@ -267,41 +280,6 @@ class ClusterEnv(VectorEnv):
             yield self._pool
         finally:
             self._state, self._holder = AsyncState.DEFAULT, None
-
-    # -- construction ----------------------------------------------------------------------
-    def _init_workers(self, pickled_fns: list[bytes], observation_mode: Any, timeout: float) -> None:
-        custom = isinstance(observation_mode, tuple)
-        context = worker_context(observation_mode[1] if custom else None)
-        self._pool.new_call()
-        for w, sl in enumerate(self._slices):
-            meta = EnvsMeta(
-                env_offset=sl.start,
-                autoreset_mode=self.autoreset_mode.value,
-                observation_mode="custom" if custom else observation_mode,
-                procs_per_worker=self.procs_per_worker,
-                max_env_errors=self._max_env_errors,
-            )
-            self._pool.send_init(w, meta, [context, *pickled_fns[sl]])
-        replies = self._pool.gather(range(self.num_workers), "building envs", timeout)
-        descriptions = [self._pool.loads(replies[w].blobs[0]) for w in range(self.num_workers)]
-        obs_spaces = [s for d in descriptions for s in d["observation_spaces"]]
-        action_spaces = [s for d in descriptions for s in d["action_spaces"]]
-
-        self.metadata = dict(descriptions[0]["metadata"])
-        self.metadata["autoreset_mode"] = self.autoreset_mode
-        self.render_mode = descriptions[0]["render_mode"]
-        self.single_observation_space, self.observation_space, self.single_action_space, self.action_space = (
-            vector_spaces(obs_spaces, action_spaces, observation_mode)
-        )
-        same = observation_mode == "same" or custom
-        shared = (
-            share_with_local_workers(self._pool, self.single_observation_space, self._slices, timeout)
-            if same and self.shared_memory
-            else None
-        )
-        self._buffers = BatchBuffers(
-            self.single_observation_space, self.observation_space, self.num_envs, self._pool.loads, observations=shared
-        )
 
     def _begin(self, state: AsyncState, name: str) -> None:
         """Start a call of method ``name`` (named in errors as ``AsyncVectorEnv`` names it), entering ``state``."""
