@@ -1,6 +1,6 @@
 """The learner tier: the ``ClusterEnv`` vector env and everything that runs in the training process.
 
-The VectorEnv (``vector_env``) and its batch buffers (``step_buffers``), the worker pool
+The VectorEnv (``vector_env``, built by ``building``) and its batch buffers (``step_buffers``), the worker pool
 (``pool``, holding its parts ``membership`` and ``recovery``; what its commands mean on a
 loss in ``commands``), first-ready batches (``first_ready``), the learner's heartbeat monitor,
 local-policy rollouts and their prefetch stream (``rollouts``, ``rollout_batch``), and the
