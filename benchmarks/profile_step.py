@@ -36,7 +36,7 @@ from clusterenv import ClusterEnv  # noqa: E402
 
 # (part, test on "file:function"), first match wins.
 PARTS: list[tuple[str, tuple[str, ...]]] = [
-    ("waiting for replies (blocking, not CPU)", ("transport.py:_recv_frames",)),
+    ("waiting for replies (blocking, not CPU)", ("carriers.py:recv", "carriers.py:take", "pipes.py:recv")),
     ("ZeroMQ send", ("socket.py:send",)),
     (
         "framing, MACs, msgpack",

@@ -55,6 +55,7 @@ class FollowUp(NamedTuple):
         on_loss: what it means should the replacement be lost in turn.
         awaited: what it does, if the pool waits for its reply before going on ("installing
             the local policy"); ``None``: its reply (if any) comes to the caller's stream.
+        timeout: seconds to wait for that reply (``None``: forever).
     """
 
     kind: Kind
@@ -63,3 +64,4 @@ class FollowUp(NamedTuple):
     blobs: Sequence[bytes] = ()
     on_loss: OnLoss = OnLoss.RAISE
     awaited: str | None = None
+    timeout: float | None = None

@@ -252,7 +252,9 @@ class WorkerPool:
         """
         self.members.admit(wait, self.seq)
         moved = []
-        for worker_id, target in self.members.moves_to_balance():
+        # One move at a time, each planned on the map as the last one (or a loss during it) left it.
+        while moves := self.members.moves_to_balance():
+            worker_id, target = moves[0]
             logger.info(
                 "Moving worker %d's envs (%s) to worker process %d.",
                 worker_id,
@@ -572,6 +574,9 @@ class WorkerPool:
             process = self.members.serving[worker_id]
             if process not in self.members.retired:
                 self.members.retire(process, self.recovery.how_lost(process))
+            too_few = self.recovery.too_few_survivors(process)  # again: another may have been lost meanwhile
+            if too_few:
+                raise self._fatal(self.recovery.lost_error(worker_id, doing, too_few))
             target = self.recovery.rehome_target(worker_id)
             logger.warning(
                 "Moving worker %d's envs (%s) to worker process %d (%s).",
@@ -585,16 +590,17 @@ class WorkerPool:
 
     def _rebuild(self, worker_id: int, doing: str) -> set[int]:
         """Build worker ``worker_id``'s envs where it is served now, send its hooks' follow-ups; the workers lost."""
+        self._failed.discard(worker_id)  # its new host: a send that failed to the old one says nothing of it
         self._send_init(worker_id, replacement=True)
         lost = self._await({worker_id}, {}, doing, self.start_timeout)
         for hook in self._restart_hooks:
             for follow_up in (hook(worker_id) or ()) if not lost else ():
                 self.send(worker_id, *follow_up[:4], on_loss=follow_up.on_loss)
                 if follow_up.awaited is not None:
-                    lost = self._await({worker_id}, {}, follow_up.awaited, self.start_timeout)
+                    lost = self._await({worker_id}, {}, follow_up.awaited, follow_up.timeout)
                     if lost:
                         break
-        return lost
+        return lost or ({worker_id} & self._failed)  # a follow-up whose send found the new host gone
 
     # -- shutdown --------------------------------------------------------------------------
     def close_after_error(self, terminate: bool) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 from clusterenv.errors import PolicyError, ProtocolError, WorkerTimeoutError
 from clusterenv.learner.pool import FollowUp, OnLoss
 from clusterenv.learner.rollout_batch import RolloutBatch
-from clusterenv.learner.rollouts import PolicyRunner
+from clusterenv.learner.rollouts import PolicyRunner, check_prefetch
 from clusterenv.policy.heads import Head
 from clusterenv.wire.leaves import unflatten
 from clusterenv.wire.messages import (
@@ -39,9 +39,11 @@ class PrefetchingRunner(PolicyRunner):
 
     probes_from_batches = False  # kept from each result as it arrives
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, prefetch: int = 1, **kwargs: Any) -> None:
         """Ship the policy, as :class:`~clusterenv.learner.rollouts.PolicyRunner` does; nothing is collected yet."""
-        super().__init__(*args, **kwargs)
+        if check_prefetch(prefetch) < 1:
+            raise PolicyError(f"A PrefetchingRunner collects ahead: `prefetch` must be at least 1, got {prefetch}.")
+        super().__init__(*args, prefetch=prefetch, **kwargs)
         self._stream = _Stream(self.envs.num_workers)
 
     @property

@@ -128,7 +128,7 @@ class Recovery:
             sent = last_sent[worker_id]
             pending = None if worker_id in idle else sent
             if pending is not None and pending.on_loss is OnLoss.RAISE:
-                why = f" ({sent.kind.name} cannot be recovered on a replacement worker)"
+                why = f" {sent.kind.name} cannot be recovered on a replacement worker."
                 steps.append(Step(worker_id, Action.RAISE, pending, why))
             elif self.on_worker_failure == "rehome":
                 steps.append(self._rehome_step(worker_id, pending))
@@ -137,12 +137,15 @@ class Recovery:
         return steps
 
     def _rehome_step(self, worker_id: int, pending: SentCommand | None) -> Step:
-        lost_processes = {self._members.serving[worker_id]}
-        survivors = [p for p in self._members.live_processes() if p not in lost_processes]
-        if len(survivors) < self.min_workers:
-            why = f" {len(survivors)} worker processes survive, fewer than min_workers={self.min_workers}."
-            return Step(worker_id, Action.RAISE, pending, why)
-        return Step(worker_id, Action.REHOME, pending)
+        too_few = self.too_few_survivors(self._members.serving[worker_id])
+        return Step(worker_id, Action.RAISE, pending, too_few) if too_few else Step(worker_id, Action.REHOME, pending)
+
+    def too_few_survivors(self, lost_process: int) -> str:
+        """Why the run cannot go on without ``lost_process`` (fewer than ``min_workers`` survive), or ``""``."""
+        survivors = [p for p in self._members.live_processes() if p != lost_process]
+        if len(survivors) >= self.min_workers:
+            return ""
+        return f" {len(survivors)} worker processes survive, fewer than min_workers={self.min_workers}."
 
     def lost_again(self, step: Step) -> Step:
         """The step for a worker whose replacement (or new host) was lost while it was being recovered."""

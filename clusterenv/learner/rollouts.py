@@ -234,7 +234,7 @@ class PolicyRunner(abc.ABC):
         """A restart hook: the policy again, at the current version, on the worker's new host."""
         self._probe_obs[worker_id] = None
         awaited = f"installing the local policy on a replacement for worker {worker_id}"
-        return [self._policy_message(worker_id)._replace(awaited=awaited)]
+        return [self._policy_message(worker_id)._replace(awaited=awaited, timeout=self._timeout())]
 
     def _timeout(self) -> float | None:
         return self.envs.timeout if self.timeout is None else self.timeout
@@ -339,6 +339,7 @@ class PolicyRunner(abc.ABC):
         rollouts ahead (at least one). ``head`` applies to the rollouts requested from then on.
         Successive fragments of one worker continue each other exactly.
         """
+        self._check_steps(num_steps)
         raise PolicyError("fragments() streams rollouts ahead of the learner: make the runner with prefetch >= 1.")
 
     def stop(self) -> list[RolloutBatch]:

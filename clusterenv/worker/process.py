@@ -70,6 +70,19 @@ def _error_reply(worker: Worker, exc: BaseException) -> Message:
     return error_reply(failure.shifted(worker.env_offset))
 
 
+def _send_reply(mailbox: Mailbox, worker: Worker, reply: Message) -> None:
+    """Send a reply; one that cannot be encoded is answered by an ERROR saying so: it must not end the worker."""
+    try:
+        mailbox.send(reply, worker)
+    except (PipeClosed, zmq.ZMQError):
+        raise
+    except Exception as exc:
+        if reply.kind is Kind.ERROR:
+            raise  # error replies are bounded (worker/failures.py): this would be a bug, not an env's doing
+        logger.warning("Worker %d: its %s reply could not be sent: %s", worker.worker_id, reply.kind.name, exc)
+        mailbox.send(_error_reply(worker, exc), worker)
+
+
 def serve(
     address: str,
     worker_id: int | None,
@@ -160,7 +173,7 @@ def serve(
             except Exception as exc:
                 reply = _error_reply(worker, exc)
             if reply is not None:
-                mailbox.send(reply, worker)
+                _send_reply(mailbox, worker, reply)
     except PipeClosed:
         logger.warning("Worker %d: the learner closed its pipe; exiting.", own.worker_id)
         return _learner_lost(mailbox)
