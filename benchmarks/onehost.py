@@ -1,0 +1,248 @@
+"""Cheap envs on one host: clusterenv against Sync, Async, EnvPool and the bare shared-memory floor, same run.
+
+Each cell steps ``num_envs`` envs in lockstep for ``--seconds`` per backend, in a fresh
+process per run; backends take turns, cell by cell, for ``--rounds`` rounds, and the
+medians are reported. ``floor`` is :class:`shm_floor.ShmFloor`, the bare shared-memory
+lockstep loop: what this machine allows such a step path (its wake-ups included). For
+clusterenv and the floor the learner's CPU per worker message is measured too: the
+learner process's CPU time (all its threads) over the timed steps, divided by the
+messages (workers x batch steps). Before timing, the floor is checked bit-identical to
+``SyncVectorEnv`` on CartPole-v1 (and on HalfCheetah-v5 with its infos, where MuJoCo is
+installed).
+
+    pip install -e ".[bench]"
+    python benchmarks/onehost.py                 # every cell, 3 rounds of 3 s
+    python benchmarks/onehost.py --quick         # one round of 1 s, to try it
+
+Writes ``results/onehost.json`` and ``results/onehost.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import tyro
+from report import command_line  # the sibling module
+
+HERE = Path(__file__).resolve().parent
+RESULTS_DIR = HERE / "results"
+CORES = os.cpu_count() or 1
+
+#: cell -> (env, number of envs, workers); env is a Gymnasium id or a bench_envs class.
+CELLS: dict[str, tuple[str, int, int]] = {
+    "cartpole_x16": ("CartPole-v1", 16, 2),
+    "cartpole_x64": ("CartPole-v1", 64, 2),
+    "halfcheetah_x16": ("HalfCheetah-v5", 16, 2),
+    "burn50us_x16": ("BurnEnv", 16, 2),
+    "null_x16": ("NullEnv", 16, 2),
+}
+ENVPOOL_IDS = {"CartPole-v1": "CartPole-v1", "HalfCheetah-v5": "HalfCheetah-v5"}
+HALFCHEETAH_INFOS = ("x_position", "x_velocity", "reward_forward", "reward_ctrl")
+
+
+@dataclasses.dataclass
+class Args:
+    cells: tuple[str, ...] = tuple(CELLS)
+    """which cells to run"""
+    backends: tuple[str, ...] = ("sync", "async", "envpool", "envpool_1t", "floor", "clusterenv")
+    """backends, in the order each round runs them"""
+    rounds: int = 3
+    seconds: float = 3.0
+    quick: bool = False
+    """one round of 1 s: to try the script"""
+
+
+# One run, in a fresh process: build the backend, warm up, time lockstep steps, print a JSON line.
+_RUN = r"""
+import json, os, sys, time
+sys.path.insert(0, {benchmarks!r})
+import gymnasium as gym, numpy as np
+env, num_envs, workers, backend, seconds = {env!r}, {num_envs}, {workers}, {backend!r}, {seconds}
+
+def factory():
+    if env == "BurnEnv":
+        from bench_envs import BurnEnv
+        return lambda: BurnEnv(step_cpu_ms=0.05)
+    if env == "NullEnv":
+        from bench_envs import NullEnv
+        return NullEnv
+    return lambda: gym.make(env)
+
+info_keys = {info_keys!r} if env == "HalfCheetah-v5" else ()
+messages_per_step = 0
+if backend == "sync":
+    envs = gym.vector.SyncVectorEnv([factory()] * num_envs)
+elif backend == "async":
+    envs = gym.vector.AsyncVectorEnv([factory()] * num_envs)
+elif backend.startswith("envpool"):
+    import envpool
+    threads = 1 if backend == "envpool_1t" else min(num_envs, os.cpu_count() or 1)
+    envs = envpool.make_gymnasium({envpool_ids!r}[env], num_envs=num_envs, num_threads=threads, seed=0)
+elif backend == "floor":
+    from shm_floor import ShmFloor
+    envs = ShmFloor([factory()] * num_envs, workers, info_keys)
+    messages_per_step = workers
+else:
+    from clusterenv import ClusterEnv
+    envs = ClusterEnv([factory()] * num_envs, num_workers=workers)
+    messages_per_step = workers
+rng = np.random.default_rng(0)
+space = gym.make(env).action_space if env not in ("BurnEnv", "NullEnv") else gym.spaces.Discrete(2)
+actions = np.stack([space.sample() for _ in range(num_envs)]) if hasattr(space, "shape") and space.shape else np.zeros(num_envs, np.int64)
+if backend.startswith("envpool"):
+    envs.reset()
+else:
+    envs.reset(seed=0)
+for _ in range(50):
+    envs.step(actions)
+steps, cpu0, started = 0, time.process_time(), time.perf_counter()
+while time.perf_counter() - started < seconds:
+    envs.step(actions)
+    steps += 1
+wall, cpu = time.perf_counter() - started, time.process_time() - cpu0
+envs.close()
+per_msg = None if not messages_per_step else cpu / (steps * messages_per_step) * 1e6
+print(json.dumps({{"rate": steps * num_envs / wall, "cpu_us_per_msg": per_msg}}))
+"""
+
+
+def run_once(cell: str, backend: str, seconds: float) -> dict[str, float | None] | None:
+    env, num_envs, workers = CELLS[cell]
+    if backend.startswith("envpool") and env not in ENVPOOL_IDS:
+        return None
+    code = _RUN.format(
+        benchmarks=str(HERE),
+        env=env,
+        num_envs=num_envs,
+        workers=workers,
+        backend=backend,
+        seconds=seconds,
+        info_keys=HALFCHEETAH_INFOS,
+        envpool_ids=ENVPOOL_IDS,
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=HERE.parent, capture_output=True, text=True, timeout=300, check=False
+    )
+    if done.returncode != 0:
+        print(f"{cell} {backend} failed:\n{done.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def check_floor_exact() -> list[str]:
+    """The floor returns exactly what SyncVectorEnv returns (CartPole-v1; HalfCheetah-v5 with infos if installed)."""
+    sys.path.insert(0, str(HERE))
+    import gymnasium as gym
+    import numpy as np
+    from shm_floor import ShmFloor
+
+    checked = []
+    cases = [("CartPole-v1", ())]
+    try:
+        gym.make("HalfCheetah-v5").close()
+        cases.append(("HalfCheetah-v5", HALFCHEETAH_INFOS))
+    except Exception as exc:  # MuJoCo missing: the CartPole check is the one the floor must pass
+        print(f"HalfCheetah-v5 not checked: {exc}", file=sys.stderr)
+    for env_id, keys in cases:
+        fns = [lambda env_id=env_id: gym.make(env_id)] * 8
+        sync, floor = gym.vector.SyncVectorEnv(fns), ShmFloor(fns, 2, keys)
+        try:
+            rng = np.random.default_rng(1)
+            _assert_same(sync.reset(seed=3), floor.reset(seed=3), env_id)
+            for _ in range(300 if env_id == "CartPole-v1" else 1100):  # past episode ends (and the 1,000-step limit)
+                actions = np.stack([sync.single_action_space.sample() for _ in range(8)])
+                if env_id == "CartPole-v1":
+                    actions = rng.integers(0, 2, 8)
+                _assert_same(sync.step(actions), floor.step(actions), env_id)
+        finally:
+            sync.close()
+            floor.close()
+        checked.append(env_id)
+    return checked
+
+
+def _assert_same(a: object, b: object, where: str) -> None:
+    import numpy as np
+
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), f"{where}: info keys {list(a)} != {list(b)}"
+        for key in a:
+            _assert_same(a[key], b[key], f"{where}[{key}]")
+    elif isinstance(a, tuple):
+        assert isinstance(b, tuple) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape, where  # type: ignore[union-attr]
+        np.testing.assert_array_equal(a, b, err_msg=where)
+
+
+def main(args: Args) -> None:
+    if args.quick:
+        args.rounds, args.seconds = 1, 1.0
+    checked = check_floor_exact()
+    runs: dict[str, dict[str, list[dict]]] = {cell: {b: [] for b in args.backends} for cell in args.cells}
+    for _ in range(args.rounds):
+        for cell in args.cells:
+            for backend in args.backends:
+                result = run_once(cell, backend, args.seconds)
+                if result is not None:
+                    runs[cell][backend].append(result)
+    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    cells_out: dict[str, dict] = {}
+    for cell, by in runs.items():
+        rates = {b: statistics.median(r["rate"] for r in rs) for b, rs in by.items() if rs}
+        cpu = {
+            b: statistics.median(r["cpu_us_per_msg"] for r in rs)
+            for b, rs in by.items()
+            if rs and b in ("floor", "clusterenv")
+        }
+        cells_out[cell] = {
+            **{b.replace("envpool_1t", "envpool_1thread"): v for b, v in rates.items()},
+            "learner_cpu_us_per_worker_msg": cpu.get("clusterenv"),
+            "floor_learner_cpu_us_per_worker_msg": cpu.get("floor"),
+        }
+    lines = [
+        f"`{command_line(__file__)}`, {date}, {CORES} cores: env-steps/s of lockstep `step`, medians of {args.rounds} "
+        f"alternated runs of {args.seconds:g} s per backend, each in a fresh process; 2 workers for clusterenv and "
+        f"the floor; EnvPool with {min(16, CORES)} threads and with 1. The floor was checked bit-identical to "
+        f"`SyncVectorEnv` on {', '.join(checked)} in this run.",
+        "",
+        "| cell | Sync | Async / Sync | EnvPool / Sync (N threads; 1) | floor / Sync | clusterenv / Sync | clusterenv / floor "
+        "| learner CPU per worker message: clusterenv / floor (µs) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for cell, c in cells_out.items():
+        sync = c.get("sync")
+        if not sync:
+            continue
+
+        def ratio(name: str, c: dict = c, sync: float = sync) -> str:
+            return f"{c[name] / sync:.2f}x" if c.get(name) else "—"
+
+        floor_share = f"{c['clusterenv'] / c['floor']:.2f}" if c.get("clusterenv") and c.get("floor") else "—"
+        cpu_c, cpu_f = c["learner_cpu_us_per_worker_msg"], c["floor_learner_cpu_us_per_worker_msg"]
+        cpu_text = f"{cpu_c:.0f} / {cpu_f:.1f}" if cpu_c is not None and cpu_f is not None else "—"
+        lines.append(
+            f"| {cell} | {sync:,.0f} | {ratio('async')} | {ratio('envpool')}; {ratio('envpool_1thread')} | "
+            f"{ratio('floor')} | {ratio('clusterenv')} | {floor_share} | {cpu_text} |"
+        )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    RESULTS_DIR.mkdir(exist_ok=True)
+    (RESULTS_DIR / "onehost.md").write_text(text)
+    payload = {"date": date, "cores": CORES, "args": dataclasses.asdict(args), "floor_exact_on": checked}
+    (RESULTS_DIR / "onehost.json").write_text(
+        json.dumps({**payload, "cells": cells_out, "runs": runs}, indent=1) + "\n"
+    )
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
