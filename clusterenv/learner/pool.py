@@ -586,7 +586,6 @@ class WorkerPool:
                 self.launcher.describe(target),
             )
             self.members.assign(worker_id, target)
-        self._failed.discard(worker_id)
 
     def _rebuild(self, worker_id: int, doing: str) -> set[int]:
         """Build worker ``worker_id``'s envs where it is served now, send its hooks' follow-ups; the workers lost."""
