@@ -199,3 +199,10 @@ def test_policy_runner_makes_the_runner_of_its_mode(prefetch, mode):
 def test_a_prefetch_that_is_not_a_count_is_refused(prefetch):
     with cartpoles(4, 2) as envs, pytest.raises(PolicyError, match="`prefetch` must be a non-negative integer"):
         PolicyRunner(envs, linear_policy(4, 2, seed=0), prefetch=prefetch)
+
+
+def test_a_prefetching_runner_made_directly_needs_prefetch_of_one_or_more():
+    from clusterenv.learner.prefetched_rollouts import PrefetchingRunner
+
+    with cartpoles(4, 2) as envs, pytest.raises(PolicyError, match="`prefetch` must be at least 1, got 0"):
+        PrefetchingRunner(envs, linear_policy(4, 2, seed=0), prefetch=0)

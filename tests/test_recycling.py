@@ -12,8 +12,9 @@ import os
 import gymnasium as gym
 import numpy as np
 import pytest
+import torch
 
-from clusterenv import ClusterEnv, ExternalLauncher, Recycle
+from clusterenv import ClusterEnv, ExternalLauncher, PolicyRunner, Recycle
 from tests.conftest import assert_same
 from tests.envs import LeakyCartPole
 
@@ -114,3 +115,19 @@ def test_recycling_needs_workers_the_learner_starts_and_a_policy():
             secret="s" * 32,
             recycle=Recycle(after_env_steps=100),
         )
+
+
+def test_a_recycled_worker_gets_the_local_policy_back():
+    """Recycling replaces a process as a restart does: its restart hooks run, so a PolicyRunner's policy is there."""
+    with ClusterEnv(
+        [functools.partial(gym.make, "CartPole-v1")] * 4, num_workers=2, recycle=Recycle(after_env_steps=4)
+    ) as envs:
+        runner = PolicyRunner(envs, torch.nn.Linear(4, 2), seed=0)
+        before = {info["worker_id"]: info["pid"] for info in envs.worker_info}
+        envs.reset(seed=0)
+        for _ in range(6):  # each worker steps 2 envs: both are recycled within these steps
+            envs.step(np.zeros(4, np.int64))
+        after = {info["worker_id"]: info["pid"] for info in envs.worker_info}
+        assert all(after[w] != before[w] for w in before), "both workers were recycled"
+        batch = runner.rollout(8)
+        assert batch.obs.shape == (8, 4, 4) and (batch.policy_versions == 0).all()
