@@ -92,13 +92,7 @@ class PrefetchingRunner(PolicyRunner):
         return self._assemble(replies, num_steps)
 
     def fragments(self, num_steps: int, *, head: Head | None = None) -> Iterator[RolloutBatch]:
-        """Yield each worker's ``num_steps`` steps as soon as they arrive, for off-policy learners.
-
-        A fragment is a :class:`RolloutBatch` of one worker's envs (``env_ids``), so that a
-        replay buffer never waits for the slowest worker. Each worker keeps ``prefetch``
-        rollouts ahead (at least one). ``head`` applies to the rollouts requested from then on.
-        Successive fragments of one worker continue each other exactly.
-        """
+        """Each worker's rollouts as they arrive, ``prefetch`` kept ahead (see :meth:`PolicyRunner.fragments`)."""
         self._check_steps(num_steps)
         stream = self._stream
         if stream.mode == "batches":
