@@ -33,7 +33,7 @@ from clusterenv.learner.commands import Command, FollowUp, OnLoss, SentCommand
 from clusterenv.learner.cuts import Cut, CutLedger
 from clusterenv.learner.heartbeat_monitor import LIVENESS_POLL_S, HeartbeatMonitor
 from clusterenv.learner.membership import Membership, Received
-from clusterenv.learner.recovery import Action, Recovery, Step, remote_error
+from clusterenv.learner.recovery import LOST_AGAIN, Action, Recovery, Step, remote_error
 from clusterenv.learner.timing import StepTiming
 from clusterenv.wire.cleanup import remove_stale_dirs
 from clusterenv.wire.liveness import Heartbeat, heartbeat_address
@@ -44,7 +44,6 @@ from clusterenv.wire.transport import Channel, Curve, is_loopback, resolve_secre
 
 __all__ = [
     "LATENCY_WINDOW",
-    "LIVENESS_POLL_S",
     "Command",
     "FollowUp",
     "OnLoss",
@@ -568,7 +567,7 @@ class WorkerPool:
             try:
                 self.members.restart(worker_id, self.address, self.key, self.start_timeout, self.seq)
             except WorkerStartError as exc:  # the replacement exited, or never joined
-                why = f"{self.recovery.lost_again(step).why} ({exc})"
+                why = f"{LOST_AGAIN} ({exc})"
                 raise self._fatal(self.recovery.lost_error(worker_id, doing, why)) from exc
         else:
             process = self.members.serving[worker_id]

@@ -34,10 +34,12 @@ from clusterenv.learner.membership import Membership
 from clusterenv.wire.messages import ErrorMeta, meta_of
 from clusterenv.wire.protocol import Kind, Message
 
-__all__ = ["Action", "Recovery", "Step", "remote_error"]
+__all__ = ["LOST_AGAIN", "Action", "Recovery", "Step", "remote_error"]
 
 logger = logging.getLogger(__name__)
 
+#: What a lost-worker error adds when the worker's replacement (or new host) was lost too.
+LOST_AGAIN = " Its replacement was lost too; restarts do not loop."
 # How long a worker whose connection dropped may take to report its exit status (it lingers up to 0.5 s).
 _EXIT_STATUS_WAIT_S = 1.0
 
@@ -149,7 +151,7 @@ class Recovery:
 
     def lost_again(self, step: Step) -> Step:
         """The step for a worker whose replacement (or new host) was lost while it was being recovered."""
-        return Step(step.worker_id, Action.RAISE, step.pending, " Its replacement was lost too; restarts do not loop.")
+        return Step(step.worker_id, Action.RAISE, step.pending, LOST_AGAIN)
 
     def rehome_target(self, worker_id: int) -> int:
         """The surviving process that takes worker ``worker_id``'s envs: the one that carries the fewest."""

@@ -107,13 +107,6 @@ class SocketCarrier:
             self.source_fd = frames[0].get(zmq.SRCFD)
         return frames[0].bytes, frames[1:]
 
-    @property
-    def identity(self) -> bytes:
-        """This DEALER's routing id."""
-        identity = self.socket.getsockopt(zmq.IDENTITY)
-        assert isinstance(identity, bytes)
-        return identity
-
     def covers_arrays(self, peer: bytes | None) -> bool:
         """Array frames are MACed unless the socket is private."""
         return not self.private
@@ -147,12 +140,6 @@ class PipeCarrier:
         """The next record from the learner."""
         record = self.pipe.read(timeout_ms)
         return None if record is None else (None, record)
-
-    @property
-    def identity(self) -> bytes:
-        """The routing id this worker named in its pipe's first record."""
-        assert self.pipe.identity is not None
-        return self.pipe.identity
 
     def covers_arrays(self, peer: bytes | None) -> bool:
         """A pipe is private."""
