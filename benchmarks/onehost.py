@@ -51,8 +51,8 @@ HALFCHEETAH_INFOS = ("x_position", "x_velocity", "reward_forward", "reward_ctrl"
 class Args:
     cells: tuple[str, ...] = tuple(CELLS)
     """which cells to run"""
-    backends: tuple[str, ...] = ("sync", "async", "envpool", "envpool_1t", "floor", "clusterenv")
-    """backends, in the order each round runs them"""
+    backends: tuple[str, ...] = ("sync", "async", "envpool", "envpool_1t", "floor", "clusterenv", "messages")
+    """backends, in the order each round runs them (``messages``: clusterenv with ``shared_memory=False``)"""
     rounds: int = 3
     seconds: float = 3.0
     quick: bool = False
@@ -89,9 +89,10 @@ elif backend == "floor":
     from shm_floor import ShmFloor
     envs = ShmFloor([factory()] * num_envs, workers, info_keys)
     messages_per_step = workers
-else:
+else:  # clusterenv: its default (the shared step path for these local workers), or the message path
     from clusterenv import ClusterEnv
-    envs = ClusterEnv([factory()] * num_envs, num_workers=workers)
+    envs = ClusterEnv([factory()] * num_envs, num_workers=workers, shared_memory=backend == "clusterenv")
+    assert {{w["step_path"] for w in envs.worker_info}} == {{"shared memory" if backend == "clusterenv" else "messages"}}
     messages_per_step = workers
 rng = np.random.default_rng(0)
 space = gym.make(env).action_space if env not in ("BurnEnv", "NullEnv") else gym.spaces.Discrete(2)
@@ -202,12 +203,13 @@ def main(args: Args) -> None:
         cpu = {
             b: statistics.median(r["cpu_us_per_msg"] for r in rs)
             for b, rs in by.items()
-            if rs and b in ("floor", "clusterenv")
+            if rs and b in ("floor", "clusterenv", "messages")
         }
         cells_out[cell] = {
             **{b.replace("envpool_1t", "envpool_1thread"): v for b, v in rates.items()},
             "learner_cpu_us_per_worker_msg": cpu.get("clusterenv"),
             "floor_learner_cpu_us_per_worker_msg": cpu.get("floor"),
+            "messages_learner_cpu_us_per_worker_msg": cpu.get("messages"),
         }
     lines = [
         f"`{command_line(__file__)}`, {date}, {CORES} cores: env-steps/s of lockstep `step`, medians of {args.rounds} "
@@ -215,9 +217,12 @@ def main(args: Args) -> None:
         f"the floor; EnvPool with {min(16, CORES)} threads and with 1. The floor was checked bit-identical to "
         f"`SyncVectorEnv` on {', '.join(checked)} in this run.",
         "",
+        "`clusterenv` is the default (its local workers on the shared step path); `messages` is clusterenv with "
+        "`shared_memory=False` (every step a message per worker).",
+        "",
         "| cell | Sync | Async / Sync | EnvPool / Sync (N threads; 1) | floor / Sync | clusterenv / Sync | clusterenv / floor "
-        "| learner CPU per worker message: clusterenv / floor (µs) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| messages / Sync | learner CPU per worker message: clusterenv / floor / messages (µs) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for cell, c in cells_out.items():
         sync = c.get("sync")
@@ -228,11 +233,15 @@ def main(args: Args) -> None:
             return f"{c[name] / sync:.2f}x" if c.get(name) else "—"
 
         floor_share = f"{c['clusterenv'] / c['floor']:.2f}" if c.get("clusterenv") and c.get("floor") else "—"
-        cpu_c, cpu_f = c["learner_cpu_us_per_worker_msg"], c["floor_learner_cpu_us_per_worker_msg"]
-        cpu_text = f"{cpu_c:.0f} / {cpu_f:.1f}" if cpu_c is not None and cpu_f is not None else "—"
+        cpu_values = [
+            c["learner_cpu_us_per_worker_msg"],
+            c["floor_learner_cpu_us_per_worker_msg"],
+            c["messages_learner_cpu_us_per_worker_msg"],
+        ]
+        cpu_text = " / ".join("—" if v is None else f"{v:.1f}" for v in cpu_values)
         lines.append(
             f"| {cell} | {sync:,.0f} | {ratio('async')} | {ratio('envpool')}; {ratio('envpool_1thread')} | "
-            f"{ratio('floor')} | {ratio('clusterenv')} | {floor_share} | {cpu_text} |"
+            f"{ratio('floor')} | {ratio('clusterenv')} | {floor_share} | {ratio('messages')} | {cpu_text} |"
         )
     text = "\n".join(lines) + "\n"
     print(text)

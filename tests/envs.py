@@ -642,3 +642,35 @@ class EmptyLeafEnv(gym.Env):
 
     def step(self, action):
         return self._obs(), float(action["move"]), False, False, self._info()
+
+
+class SparseInfoRichEnv(RichSpacesEnv):
+    """``RichSpacesEnv`` whose steps report infos only now and then: most steps have none to send.
+
+    A step with no infos is all a worker on the shared step path writes into memory, so this
+    exercises both of its replies: the wake-up alone, and the message that carries infos.
+    """
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = super().step(action)
+        return obs, reward, terminated, truncated, info if self.t % 4 == 0 else {}
+
+
+class ScalarInfoCartPole(gym.Wrapper):
+    """CartPole whose every step reports the same scalar infos, of several types (as MuJoCo and Atari envs do)."""
+
+    def __init__(self) -> None:
+        super().__init__(gym.make("CartPole-v1"))
+        self.t = 0
+
+    def reset(self, **kwargs):
+        self.t = 0
+        return self.env.reset(**kwargs)
+
+    def step(self, action):
+        obs, reward, terminated, truncated, _ = self.env.step(action)
+        self.t += 1
+        info = {"x_position": float(obs[0]), "frame": self.t, "speed": np.float32(obs[1]), "upright": bool(obs[2] > 0)}
+        if self.t % 25 == 0:
+            info["milestone"] = np.int16(self.t)  # a key the layout does not have: a message for this step
+        return obs, reward, terminated, truncated, info

@@ -14,6 +14,7 @@ import pytest
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 from clusterenv import ClusterEnv
+from clusterenv.launch.launchers import LocalLauncher
 from clusterenv.wire.shared_memory import SHARED_OBS_MIN_BYTES, SharedObservations, attach, bytes_per_env
 from tests.test_equivalence import run_lockstep
 
@@ -71,10 +72,11 @@ def test_shared_observations_are_bit_identical_to_sync_vector_env(dict_obs, mode
     assert episodes > 20
 
 
-def test_small_observations_travel_as_frames(caplog):
+def test_small_observations_travel_as_frames_where_workers_have_no_shared_step_path(caplog):
+    """Workers on the learner's host without the shared step path (no pipes here): the file pays for large ones only."""
     assert 2 * bytes_per_env(gym.make("CartPole-v1").observation_space) < SHARED_OBS_MIN_BYTES
     with caplog.at_level(logging.DEBUG, logger="clusterenv.learner.step_buffers"):
-        ClusterEnv([lambda: gym.make("CartPole-v1")] * 4, num_workers=2).close()
+        ClusterEnv([lambda: gym.make("CartPole-v1")] * 4, num_workers=2, launcher=LocalLauncher(pipes=False)).close()
     assert "observations into shared memory" not in caplog.text
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from clusterenv.wire.cleanup import kill_tree
-from clusterenv.wire.pipes import pipe_pair
+from clusterenv.wire.pipes import pipe_pair, wake_pair
 from clusterenv.wire.processes import child_environment
 from clusterenv.wire.transport import SECRET_ENV_VAR
 
@@ -61,7 +61,8 @@ class LocalLauncher:
         pipes: each child talks to the learner over a pipe of its own instead of the learner's
             ZeroMQ socket (:mod:`clusterenv.wire.pipes`; not under ``encrypt=True``): faster when
             every core is busy. The learner passes its end to :attr:`attach_pipe`; the child
-            inherits its own as ``--connect pipe://FD``.
+            inherits its own as ``--connect pipe://FD``, with a wake socket (``--wake FD``) for
+            the shared step path (:mod:`clusterenv.wire.step_region`).
         batch_scheduling: start the workers as CPU-bound processes (Linux's ``SCHED_BATCH``,
             ``clusterenv-worker --batch-scheduling``), so that a worker woken by the learner waits
             for a free core instead of preempting the learner; their share of CPU is unchanged.
@@ -77,22 +78,24 @@ class LocalLauncher:
         self.encrypt = False
         self.pipes = pipes
         self.batch_scheduling = batch_scheduling
-        self.attach_pipe: Callable[[socket.socket], None] | None = None
+        self.attach_pipe: Callable[[socket.socket, socket.socket | None], None] | None = None
 
     def start(self, worker_ids: list[int], address: str, key: bytes) -> None:
         """Spawn ``python -m clusterenv.worker`` once per id."""
         env = child_environment(key)
         for worker_id in worker_ids:
             self.kill(worker_id)  # a replacement: never lose track of the process it replaces
-            ours = theirs = None
+            ours = theirs = wake_ours = wake_theirs = None
             if self.pipes and self.attach_pipe is not None:
                 ours, theirs = pipe_pair()
+                wake_ours, wake_theirs = wake_pair()
             command = [
                 sys.executable,
                 "-m",
                 "clusterenv.worker",
                 "--connect",
                 address if theirs is None else f"pipe://{theirs.fileno()}",
+                *([] if wake_theirs is None else ["--wake", str(wake_theirs.fileno())]),
                 "--worker-id",
                 str(worker_id),
                 "--parent-pid",
@@ -101,18 +104,21 @@ class LocalLauncher:
                 *(["--batch-scheduling"] if self.batch_scheduling else []),
             ]
             try:
+                passed = tuple(end.fileno() for end in (theirs, wake_theirs) if end is not None)
                 self.processes[worker_id] = subprocess.Popen(
-                    command, env=env, stdin=subprocess.DEVNULL, pass_fds=() if theirs is None else (theirs.fileno(),)
+                    command, env=env, stdin=subprocess.DEVNULL, pass_fds=passed
                 )
             except BaseException:
-                if ours is not None:
-                    ours.close()
+                for end in (ours, wake_ours):
+                    if end is not None:
+                        end.close()
                 raise
             finally:
-                if theirs is not None:
-                    theirs.close()  # the child holds it now
+                for end in (theirs, wake_theirs):
+                    if end is not None:
+                        end.close()  # the child holds it now
             if ours is not None and self.attach_pipe is not None:
-                self.attach_pipe(ours)
+                self.attach_pipe(ours, wake_ours)
 
     def exit_code(self, worker_id: int) -> int | None:
         """``Popen.poll()`` of the worker."""

@@ -15,7 +15,7 @@ from gymnasium import spaces
 from gymnasium.vector import AutoresetMode
 
 from clusterenv.learner.pool import WorkerPool
-from clusterenv.learner.step_buffers import BatchBuffers, share_with_local_workers
+from clusterenv.learner.step_buffers import BatchBuffers, share_steps, share_with_local_workers
 from clusterenv.learner.validation import worker_context
 from clusterenv.wire.contract import vector_spaces
 from clusterenv.wire.messages import EnvsMeta
@@ -59,7 +59,8 @@ def build_envs(
         procs_per_worker: env processes per worker.
         max_env_errors: under ``on_env_error="reset"``, the errors one env may raise within 1,000
             of its steps (``None``: errors raise).
-        shared_memory: whether local workers may write large observations into shared memory.
+        shared_memory: whether workers on this host may step through shared memory
+            (``step_buffers.share_steps``), or else write large observations into it.
         timeout: seconds for every worker to build its envs.
     """
     custom = isinstance(observation_mode, tuple)
@@ -82,9 +83,14 @@ def build_envs(
         obs_spaces, action_spaces, observation_mode
     )
     same = observation_mode == "same" or custom
-    shared = (
-        share_with_local_workers(pool, single_observation_space, slices, timeout) if same and shared_memory else None
-    )
+    region = shared = None
+    if same and shared_memory:
+        region = share_steps(pool, single_observation_space, single_action_space, slices, timeout)
+        shared = (
+            region.observations
+            if region is not None
+            else share_with_local_workers(pool, single_observation_space, slices, timeout)
+        )
     num_envs = sum(sl.stop - sl.start for sl in slices)
     return BuiltEnvs(
         metadata={**descriptions[0]["metadata"], "autoreset_mode": autoreset_mode},
@@ -93,5 +99,12 @@ def build_envs(
         observation_space=observation_space,
         single_action_space=single_action_space,
         action_space=action_space,
-        buffers=BatchBuffers(single_observation_space, observation_space, num_envs, pool.loads, observations=shared),
+        buffers=BatchBuffers(
+            single_observation_space,
+            observation_space,
+            num_envs,
+            pool.loads,
+            observations=shared,
+            step_fields=None if region is None else region.step_fields,
+        ),
     )

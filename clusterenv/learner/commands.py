@@ -9,12 +9,12 @@ replacement needs before its pending command is recovered (a policy runner's wei
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from clusterenv.wire.protocol import Kind
+from clusterenv.wire.protocol import Kind, Message
 
 __all__ = ["Command", "FollowUp", "OnLoss", "SentCommand"]
 
@@ -56,6 +56,7 @@ class FollowUp(NamedTuple):
         awaited: what it does, if the pool waits for its reply before going on ("installing
             the local policy"); ``None``: its reply (if any) comes to the caller's stream.
         timeout: seconds to wait for that reply (``None``: forever).
+        on_reply: called with that reply, if the pool waited for it.
     """
 
     kind: Kind
@@ -65,3 +66,4 @@ class FollowUp(NamedTuple):
     on_loss: OnLoss = OnLoss.RAISE
     awaited: str | None = None
     timeout: float | None = None
+    on_reply: Callable[[Message], None] | None = None

@@ -143,7 +143,7 @@ class FirstReady:
             buffers.write_observations(sl, msg, n_extra=len(STEP_FIELDS) if what == "step" else 0)
             if what == "step":
                 rewards[rows], terminations[rows], truncations[rows] = step_fields(msg)
-            payload = buffers.loads(msg.blobs[0]) if msg.blobs[0] else []
+            payload = buffers.infos_of(msg)
             if what == "restarted":  # a replacement's fresh envs: the cut episodes end here
                 truncations[rows] = True
                 payload = restarted_records(rows.stop - rows.start, dict(records_of(payload)))

@@ -136,7 +136,8 @@ class Membership:
             if received is None:
                 continue
             sender, msg = received
-            if sender in self.peers and msg.meta.get("seq") == seq and msg.kind is not Kind.HELLO:
+            current = msg.meta.get("seq") == seq or msg.kind is Kind.WAKE_UP  # a wake-up: the pool tells which step
+            if sender in self.peers and current and msg.kind is not Kind.HELLO:
                 self._defer(received)  # a streaming call goes on while one worker is replaced
                 continue
             if msg.kind is not Kind.HELLO or sender is None or sender in self.peers:

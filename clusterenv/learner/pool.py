@@ -27,20 +27,22 @@ from typing import Any, TypeVar
 import numpy as np
 import zmq
 
-from clusterenv.errors import ClusterEnvError, WorkerStartError, WorkerTimeoutError
+from clusterenv.errors import ClusterEnvError, ProtocolError, WorkerStartError, WorkerTimeoutError
 from clusterenv.launch.launchers import Launcher, LocalLauncher, resolve_launcher
 from clusterenv.learner.commands import Command, FollowUp, OnLoss, SentCommand
 from clusterenv.learner.cuts import Cut, CutLedger
 from clusterenv.learner.heartbeat_monitor import LIVENESS_POLL_S, HeartbeatMonitor
 from clusterenv.learner.membership import Membership, Received
 from clusterenv.learner.recovery import LOST_AGAIN, Action, Recovery, Step, remote_error
+from clusterenv.learner.shared_steps import SharedSteps
 from clusterenv.learner.timing import StepTiming
 from clusterenv.wire.cleanup import remove_stale_dirs
 from clusterenv.wire.liveness import Heartbeat, heartbeat_address
 from clusterenv.wire.messages import EnvsMeta, UsageReport, usage_report
 from clusterenv.wire.protocol import Kind, Message
 from clusterenv.wire.safe_pickle import loader
-from clusterenv.wire.transport import Channel, Curve, is_loopback, resolve_secret
+from clusterenv.wire.step_region import StepRegion
+from clusterenv.wire.transport import WAKE_UP, Channel, Curve, is_loopback, resolve_secret
 
 __all__ = [
     "LATENCY_WINDOW",
@@ -68,6 +70,9 @@ LATENCY_WINDOW = 256
 #: Called with a worker's id once its envs were rebuilt in a new process or another host; returns
 #: what that process needs before the worker's pending command is recovered (see ``FollowUp``).
 RestartHook = Callable[[int], Iterable[FollowUp] | None]
+_SHARED: list[Any] = []  # send_each's mark for a command that goes into the step region, not onto the wire
+# What step_shared() records as each worker's command: a lockstep step, whose loss cuts the episodes.
+_SHARED_STEP = SentCommand(Kind.STEP, None, (), (), OnLoss.INTERRUPT)
 _R = TypeVar("_R")
 
 
@@ -199,6 +204,9 @@ class WorkerPool:
         # Replies of the current call that arrived while a gather waited for others (streaming calls).
         self._stash: list[tuple[int, Message]] = []
         self._liveness_due = 0.0  # when receive() next checks every worker's liveness
+        self._socket_due = 0.0  # when gather() next leaves a whole call to _await, which reads the socket too
+        #: The shared step path of the workers on this host (:meth:`share_steps`), if there is one.
+        self.step_path: SharedSteps | None = None
         self._finalizer = weakref.finalize(self, _shutdown, self.launcher, self._monitor, self._channel, self._context)
 
     @property
@@ -214,7 +222,33 @@ class WorkerPool:
     @property
     def worker_info(self) -> list[dict[str, Any]]:
         """What :attr:`ClusterEnv.worker_info <clusterenv.ClusterEnv.worker_info>` shows, per worker process."""
-        return self.members.describe(self._latencies, self._usage)
+        described = self.members.describe(self._latencies, self._usage)
+        for info in described:
+            info["step_path"] = "messages" if self.step_path is None else self.step_path.path_of(info["serves"])
+        return described
+
+    def can_wake(self, worker_id: int) -> bool:
+        """Whether worker ``worker_id``'s process has a wake socket: the shared step path can reach it."""
+        return self._channel.can_wake(self.members.identities.get(worker_id))
+
+    def share_steps(self, region: StepRegion, timeout: float | None) -> set[int]:
+        """Put every worker that can on the shared step path through ``region``; the workers that joined it.
+
+        Restarted and moved workers join it again once their envs are rebuilt (a restart hook
+        that runs before any other). If none joined, the pool has no step path.
+        """
+        path = SharedSteps(region, self._channel, self.members, timeout)
+        offers = {w: offer for w in range(self.num_workers) if (offer := path.offer(w)) is not None}
+        if offers:
+            self.new_call()
+            self.send_each(Kind.SHARE_STEP, {w: (offer.meta, (), ()) for w, offer in offers.items()}, OnLoss.RAISE)
+            for worker_id, reply in self.gather(offers, "mapping the shared step region", timeout).items():
+                path.joined(worker_id, reply)
+        if path.on_path:
+            self.step_path = path
+        else:  # none could (env processes, say): the region goes
+            path.close()
+        return path.on_path
 
     # -- joining and moving ----------------------------------------------------------------
     def start(self) -> None:
@@ -302,11 +336,14 @@ class WorkerPool:
         command declared.
         """
         members, frames_for = self.members, self._channel.frames
+        path = self.step_path if kind is Kind.STEP else None
         encoded = [
             (
                 w,
                 None  # its process was given up (rehome): the gather that follows moves the worker
                 if members.serving[w] in members.retired
+                else _SHARED  # the actions go into the step region
+                if path is not None and w in path.on_path and not blobs and not meta and path.takes(arrays, w)
                 else frames_for(kind, self._header(w, meta), arrays, blobs, to=members.identities[w]),
             )
             for w, (meta, arrays, blobs) in commands.items()
@@ -323,12 +360,46 @@ class WorkerPool:
                 self._failed.add(worker_id)
                 continue
             try:
-                self._channel.send_frames(frames, to=members.identities[worker_id])
+                if frames is _SHARED:
+                    assert path is not None
+                    path.send(worker_id, arrays, self.seq)
+                else:
+                    self._channel.send_frames(frames, to=members.identities[worker_id])
             except zmq.ZMQError as exc:
                 if self.recovery.on_worker_failure == "raise":
                     raise self._fatal(self.recovery.lost_error(worker_id, f"sending {kind.name}")) from exc
-                logger.warning("Worker %d is unreachable (%s); it is taken as lost.", worker_id, exc)
+                logger.warning("Worker %d is unreachable (%s); it is taken as lost.", worker_id, str(exc))
                 self._failed.add(worker_id)
+
+    def can_step_shared(self) -> bool:
+        """Whether a lockstep step of every worker can go through the shared step path alone (:meth:`step_shared`)."""
+        path = self.step_path
+        return path is not None and path.everyone and not self._failed and not self._unread and not self.cuts
+
+    def takes_shared(self, actions: Sequence[np.ndarray]) -> bool:
+        """Whether the batch's ``actions`` can go into the step region as they are (see :meth:`step_shared`)."""
+        return self.step_path is not None and self.step_path.takes(actions)
+
+    def step_shared(self, actions: Sequence[np.ndarray], doing: str, timeout: float | None) -> dict[int, Message]:
+        """A lockstep STEP of every worker, all on the shared step path: what ``send_each`` and ``gather`` would do.
+
+        The batch's actions go into the region at once, and the command each worker would be
+        sent is recorded for recovery (a lost worker's episodes are cut, :data:`OnLoss.INTERRUPT`).
+        Returns the replies, as :meth:`gather` does.
+        """
+        path = self.step_path
+        assert path is not None
+        workers = range(self.num_workers)
+        self.timing.start()
+        self._last_sent.update(dict.fromkeys(workers, _SHARED_STEP))
+        self._sent_at.update(dict.fromkeys(workers, time.monotonic()))
+        self._awaiting.update(workers)
+        for worker_id in path.send_all(actions, self.seq):
+            if self.recovery.on_worker_failure == "raise":
+                raise self._fatal(self.recovery.lost_error(worker_id, "sending STEP"))
+            logger.warning("Worker %d is unreachable; it is taken as lost.", worker_id)
+            self._failed.add(worker_id)
+        return self.gather(workers, doing, timeout)
 
     def _header(self, worker_id: int, meta: Mapping[str, Any] | None) -> dict[str, Any]:
         """A command's meta as sent: the call number, and the worker's slot if another process serves it."""
@@ -369,7 +440,11 @@ class WorkerPool:
                 (an attribute read), which leave every env as it was.
         """
         replies: dict[int, Message] = {}
-        lost = self._await(set(worker_ids), replies, doing, timeout, on_request, errors_close)
+        pending, started = set(worker_ids), time.monotonic()
+        if self.step_path is not None and on_request is None:
+            self._gather_woken(pending, replies)
+            pending -= replies.keys()
+        lost = self._await(pending, replies, doing, timeout, on_request, errors_close, started) if pending else set()
         if lost:
             self._carry_out(self.recovery.plan(lost, self._last_sent), replies, doing)
         return replies
@@ -428,8 +503,11 @@ class WorkerPool:
         timeout: float | None,
         on_request: Callable[[int, Message], bool] | None = None,
         errors_close: bool = True,
+        started: float | None = None,
     ) -> set[int]:
         """Wait for one reply from each of ``worker_ids`` into ``replies``; the workers among them found lost.
+
+        ``timeout`` counts from ``started`` (``time.monotonic()``; default: now).
 
         Replies of other workers to the current call are stashed for :meth:`receive`. A loss
         raises at once where :meth:`Recovery.raises_at_once` says so; otherwise the worker is
@@ -437,7 +515,7 @@ class WorkerPool:
         """
         lost = worker_ids & self._failed  # e.g. a send that found its pipe closed
         pending = worker_ids - lost
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else (time.monotonic() if started is None else started) + timeout
         while pending:
             # Checked before every receive, not only when idle, so that stray messages cannot postpone it.
             if deadline is not None and time.monotonic() > deadline:
@@ -473,7 +551,7 @@ class WorkerPool:
         predecessor's loss was seen), and raises a worker's ERROR.
         """
         for _ in range(_MAX_DROPS_PER_WAIT):
-            received = self._unread.popleft() if self._unread else self._channel.recv(wait, routed=True)
+            received = self._next_received(wait)
             if received is None:
                 return None
             wait = 0.0
@@ -485,19 +563,67 @@ class WorkerPool:
                 and self.members.keep_early_hello(received, _MAX_EARLY_HELLOS)
             ):
                 continue
+            if worker_id is not None and (msg.kind is Kind.WAKE_UP or "step" in msg.meta):
+                shared = self._shared_reply(worker_id, msg)
+                if shared is None:
+                    continue  # a wake-up after a reply message: that message is the reply
+                msg = shared
             if worker_id is None or msg.meta.get("seq") != self.seq:
                 continue  # a reply to a call that timed out earlier, or a stray peer
             if msg.kind is Kind.ERROR:
                 error = remote_error(worker_id, msg, doing, self.loads)
                 # The env's state is unknown after its error, so the workers are closed (unless the caller says not).
                 raise self._fatal(error, terminate=False) if errors_close else error
-            if worker_id in self._sent_at:
-                self._latencies[worker_id].append(time.monotonic() - self._sent_at[worker_id])
-            if "usage" in msg.meta and (usage := usage_report(msg.meta["usage"])) is not None:
-                self._usage[worker_id] = usage
-            self._awaiting.discard(worker_id)
+            self._note_reply(worker_id, msg)
             return worker_id, msg
         return None
+
+    def _note_reply(self, worker_id: int, msg: Message) -> None:
+        """What a reply to the current call tells: its latency, the worker's usage report; it is no longer awaited."""
+        if worker_id in self._sent_at:
+            self._latencies[worker_id].append(time.monotonic() - self._sent_at[worker_id])
+        if "usage" in msg.meta and (usage := usage_report(msg.meta["usage"])) is not None:
+            self._usage[worker_id] = usage
+        self._awaiting.discard(worker_id)
+
+    def _gather_woken(self, pending: set[int], replies: dict[int, Message]) -> None:
+        """Take the replies of ``pending`` workers on the shared step path from their wake-ups alone.
+
+        The shared step path's receive: every step there ends with a wake-up, so a blocking read
+        of each worker's wake socket in turn is the whole wait. Replies that are messages,
+        anything read earlier, nothing within ``WAKE_READ_TIMEOUT_S``: :meth:`_await` goes on
+        from there. Once every ``LIVENESS_POLL_S`` it leaves the whole call to :meth:`_await`,
+        which also reads the socket (joins, remote workers' messages) and checks liveness.
+        """
+        path, members = self.step_path, self.members
+        assert path is not None
+        if self._unread or time.monotonic() >= self._socket_due:
+            self._socket_due = time.monotonic() + LIVENESS_POLL_S
+            return
+        waiting = [w for w in pending if path.in_flight(w)]
+        if len(waiting) != len(pending):
+            return
+        by_identity = {members.identities[w]: w for w in waiting}
+        for identity in self._channel.await_wake_ups(list(by_identity)):
+            worker_id = by_identity[identity]
+            msg = self._shared_reply(worker_id, WAKE_UP)
+            if msg is not None and msg.meta["seq"] == self.seq:  # else its message follows, or an earlier call's
+                self._note_reply(worker_id, msg)
+                replies[worker_id] = msg
+
+    def _next_received(self, wait: float) -> Received | None:
+        """The next message to read: those kept unread first, then the channel's."""
+        return self._unread.popleft() if self._unread else self._channel.recv(wait, routed=True)
+
+    def _shared_reply(self, worker_id: int, msg: Message) -> Message | None:
+        """The RESULT a shared step path reply stands for (``None``: a message follows); fatal if it answers nothing."""
+        path = self.step_path
+        try:
+            if path is None or worker_id not in path.on_path:
+                raise ProtocolError(f"Worker {worker_id} sent a shared-memory step reply, but it is not on that path.")
+            return path.woken(worker_id) if msg.kind is Kind.WAKE_UP else path.completed(worker_id, msg)
+        except ProtocolError as exc:
+            raise self._fatal(exc) from None
 
     def _check_alive(self, worker_ids: set[int], doing: str) -> set[int]:
         """Workers among ``worker_ids`` whose process is lost: raised, or returned and marked failed (restart)."""
@@ -591,13 +717,18 @@ class WorkerPool:
         self._failed.discard(worker_id)  # its new host: a send that failed to the old one says nothing of it
         self._send_init(worker_id, replacement=True)
         lost = self._await({worker_id}, {}, doing, self.start_timeout)
-        for hook in self._restart_hooks:
+        # The step path's first: what the others send may step the rebuilt envs.
+        hooks = ([] if self.step_path is None else [self.step_path.restart_hook]) + self._restart_hooks
+        for hook in hooks:
             for follow_up in (hook(worker_id) or ()) if not lost else ():
                 self.send(worker_id, *follow_up[:4], on_loss=follow_up.on_loss)
                 if follow_up.awaited is not None:
-                    lost = self._await({worker_id}, {}, follow_up.awaited, follow_up.timeout)
+                    replies: dict[int, Message] = {}
+                    lost = self._await({worker_id}, replies, follow_up.awaited, follow_up.timeout)
                     if lost:
                         break
+                    if follow_up.on_reply is not None:
+                        follow_up.on_reply(replies[worker_id])
         return lost or ({worker_id} & self._failed)  # a follow-up whose send found the new host gone
 
     # -- shutdown --------------------------------------------------------------------------
@@ -627,6 +758,9 @@ class WorkerPool:
         if not terminate:
             self._await_closed(deadline)
         self.launcher.stop(0.0 if terminate else max(0.0, deadline - time.monotonic()))
+        if self.step_path is not None:
+            self.step_path.close()
+            self.step_path = None  # with it, the pool's views of the region
         self._finalizer()
 
     def _await_closed(self, deadline: float) -> None:

@@ -21,12 +21,13 @@ from gymnasium.vector.utils import concatenate, create_empty_array, iterate
 
 from clusterenv.learner.pool import OnLoss, WorkerPool
 from clusterenv.wire import shared_memory
-from clusterenv.wire.infos import InfoRecord, merge_infos, replay_infos
+from clusterenv.wire.infos import InfoPayload, InfoRecord, merge_infos, replay_infos
 from clusterenv.wire.leaves import is_array_tree, leaf_arrays, unflatten
 from clusterenv.wire.messages import ValueMeta, meta_of
 from clusterenv.wire.protocol import STEP_FIELDS, Kind, Message, step_fields
+from clusterenv.wire.step_region import StepRegion, fits
 
-__all__ = ["WORKER_RESTARTED_KEY", "BatchBuffers", "restarted_records", "share_with_local_workers"]
+__all__ = ["WORKER_RESTARTED_KEY", "BatchBuffers", "restarted_records", "share_steps", "share_with_local_workers"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,9 @@ def restarted_records(count: int, extra: Mapping[int, dict[str, Any]] | None = N
 class BatchBuffers:
     """The observation, reward and done arrays of ``num_envs`` envs, filled from worker replies.
 
+    ``observations`` and ``step_fields`` may be given: memory that workers on this host write
+    (the shared step region's batch), where replies on the message path are written too.
+
     Attributes:
         observations: the batched observations (``observation_space``'s batch form).
         rewards, terminations, truncations: ``(num_envs,)`` float64 / bool / bool.
@@ -55,6 +59,7 @@ class BatchBuffers:
         num_envs: int,
         loads: Callable[[bytes], Any],
         observations: Any = None,
+        step_fields: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
     ) -> None:
         self.space = space
         self.batch_space = batch_space
@@ -65,9 +70,13 @@ class BatchBuffers:
         self.observations = create_empty_array(space, n=num_envs, fn=np.zeros) if observations is None else observations
         self._leaves = leaf_arrays(space, self.observations) if self.array_obs else []
         self._env_obs: list[Any] = [None] * num_envs
-        self.rewards = np.zeros((num_envs,), dtype=np.float64)
-        self.terminations = np.zeros((num_envs,), dtype=np.bool_)
-        self.truncations = np.zeros((num_envs,), dtype=np.bool_)
+        if step_fields is None:
+            step_fields = (
+                np.zeros((num_envs,), dtype=np.float64),
+                np.zeros((num_envs,), dtype=np.bool_),
+                np.zeros((num_envs,), dtype=np.bool_),
+            )
+        self.rewards, self.terminations, self.truncations = step_fields
 
     def write_observations(self, sl: slice, msg: Message, n_extra: int) -> None:
         """Write one worker's observations (all but its last ``n_extra`` arrays) into the batch."""
@@ -85,11 +94,20 @@ class BatchBuffers:
         for sl, msg in replies:
             self.write_observations(sl, msg, len(STEP_FIELDS) if step else 0)
             if step:
-                self.rewards[sl], self.terminations[sl], self.truncations[sl] = step_fields(msg)
-            if msg.blobs[0]:
-                infos = merge_infos(infos, self.loads(msg.blobs[0]), self.num_envs, sl.start)
+                rewards, terminations, truncations = step_fields(msg)
+                if rewards.base is not self.rewards:  # else the worker wrote them into the batch itself
+                    self.rewards[sl], self.terminations[sl], self.truncations[sl] = rewards, terminations, truncations
+            payload = self.infos_of(msg)
+            if payload:
+                infos = merge_infos(infos, payload, self.num_envs, sl.start)
         self.finish()
         return infos
+
+    def infos_of(self, msg: Message) -> InfoPayload:
+        """A reply's infos: decoded already (from shared memory), else unpickled from its first blob (none: ``[]``)."""
+        if msg.infos is not None:
+            return msg.infos
+        return self.loads(msg.blobs[0]) if msg.blobs[0] else []
 
     def finish(self) -> None:
         """Concatenate per-env observations after a round of writes (array observations need nothing)."""
@@ -109,22 +127,35 @@ class BatchBuffers:
         every = list(iterate(self.batch_space, self.observations)) if self.array_obs else self._env_obs
         return [deepcopy(obs) for obs in every[sl]]
 
-    def cut_short(self, infos: dict[str, Any], sl: slice, reset: Message | None) -> dict[str, Any]:
+    def cut_short(
+        self, infos: dict[str, Any], sl: slice, reset: Message | None, final_obs: list[Any] | None = None
+    ) -> dict[str, Any]:
         """Report the episodes of envs ``sl``, cut short by a worker restart, as truncations.
 
         Reward 0, ``terminated=False``, ``truncated=True`` and ``infos["worker_restarted"]``. With
         the replacement's ``reset`` reply (SAME_STEP) its observations start the new episode
-        here, ``final_obs`` is the last observation received and ``final_info`` empty.
+        here, ``final_obs`` is the last observation received (taken before the reset, where the
+        replacement resets into the batch itself) and ``final_info`` empty.
         """
         self.rewards[sl], self.terminations[sl], self.truncations[sl] = 0.0, False, True
         extra: list[dict[str, Any]] = [{} for _ in range(sl.stop - sl.start)]
         if reset is not None:
-            final_obs = self.last_observations(sl)
+            final_obs = self.last_observations(sl) if final_obs is None else final_obs
             self.write_observations(sl, reset, n_extra=0)
             reset_infos: dict[int, dict[str, Any]] = dict(self.loads(reset.blobs[0])) if reset.blobs[0] else {}
             for i in range(len(extra)):
                 extra[i] = {"final_obs": final_obs[i], "final_info": {}, **reset_infos.get(i, {})}
         return replay_infos(infos, restarted_records(len(extra), dict(enumerate(extra))), self.num_envs, sl.start)
+
+    def detach(self) -> None:
+        """Hold private copies of the batch from now on (after close: the workers' shared memory can go)."""
+        self.observations = self.observation_batch(copy=True) if self.array_obs else self.observations
+        self._leaves = leaf_arrays(self.space, self.observations) if self.array_obs else []
+        self.rewards, self.terminations, self.truncations = (
+            self.rewards.copy(),
+            self.terminations.copy(),
+            self.truncations.copy(),
+        )
 
     def rows(self, env_ids: np.ndarray) -> Any:
         """A fresh batch of the observations of envs ``env_ids``, in that order (first-ready batches)."""
@@ -162,3 +193,26 @@ def share_with_local_workers(pool: WorkerPool, space: spaces.Space, slices: list
     attached = sorted(w for w, reply in replies.items() if meta_of(reply, ValueMeta).get("attached"))
     logger.debug("Workers %s write observations into shared memory at %s.", attached, shared.path)
     return shared.observations
+
+
+def share_steps(
+    pool: WorkerPool,
+    observation_space: spaces.Space,
+    action_space: spaces.Space,
+    slices: list[slice],
+    timeout: float,
+) -> StepRegion | None:
+    """The shared step region, if workers on this host step through it (else ``None``).
+
+    Workers the learner started on this host, on pipes, whose spaces have a fixed array form
+    (:mod:`clusterenv.wire.step_region`); the region's observations are the batch, and the
+    others keep the message path and send their observations as frames, written into it.
+    """
+    if not fits(observation_space, action_space) or not any(pool.can_wake(w) for w in range(len(slices))):
+        return None
+    region = StepRegion(observation_space, action_space, slices)
+    on_path = pool.share_steps(region, timeout)
+    if not on_path:
+        return None
+    logger.debug("Workers %s write observations into shared memory and step through it.", sorted(on_path))
+    return region

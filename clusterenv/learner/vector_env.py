@@ -20,7 +20,7 @@ from clusterenv.learner.cuts import Cut
 from clusterenv.learner.first_ready import FirstReady, Ready
 from clusterenv.learner.pool import Command, FollowUp, OnLoss, WorkerPool, weak_callback
 from clusterenv.learner.recycling import Recycle, Recycler
-from clusterenv.learner.step_buffers import WORKER_RESTARTED_KEY
+from clusterenv.learner.step_buffers import WORKER_RESTARTED_KEY, BatchBuffers
 from clusterenv.learner.validation import (
     action_items,
     check_actions,
@@ -386,8 +386,30 @@ class ClusterEnv(VectorEnv):
         Returns:
             The batched ``(obs, rewards, terminations, truncations, infos)``.
         """
+        if self._recycler is None and self._action_specs is not None and self._pool.can_step_shared():
+            return self._step_shared(actions)
         self.step_async(actions)
         return self.step_wait()
+
+    def _step_shared(self, actions: Any) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+        """``step`` when every worker is on the shared step path: ``step_async`` and ``step_wait`` in one."""
+        assert self._action_specs is not None
+        self._begin(AsyncState.WAITING_STEP, "step_async")
+        if self._needs_reset:
+            raise ResetNeeded("Cannot call `step` before `reset`: the environments have not been reset yet.")
+        leaves = check_actions(actions, self.single_action_space, self._action_specs, self.num_envs)
+        self._state = AsyncState.WAITING_STEP
+        if not self._pool.takes_shared(leaves):  # actions of another dtype reach the envs as they are: messages
+            stepping = list(range(self.num_workers))
+            commands = {w: (None, [leaf[self._slices[w]] for leaf in leaves], ()) for w in stepping}
+            self._pool.send_each(Kind.STEP, commands, OnLoss.INTERRUPT)
+            self._pending = stepping
+            return self.step_wait()
+        try:
+            replies = self._pool.step_shared(leaves, "stepping", self.timeout)
+        finally:
+            self._state = AsyncState.DEFAULT
+        return self._step_result(replies)
 
     def step_async(self, actions: Any) -> None:
         """Send the actions to the workers without waiting for the results (:meth:`step_wait` returns them).
@@ -427,6 +449,12 @@ class ClusterEnv(VectorEnv):
         self._end(AsyncState.WAITING_STEP, "step_wait")
         replies = self._pool.gather(self._pending, "stepping", self.timeout if timeout is None else timeout)
         self._state = AsyncState.DEFAULT
+        return self._step_result(replies)
+
+    def _step_result(
+        self, replies: dict[int, Message]
+    ) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+        """What ``step`` returns for the workers' ``replies``, with the episodes cut meanwhile reported."""
         infos = self._collect(replies, step=True)
         interrupted = list(self._pool.cuts.take())  # cut before this step, or while it ran
         if interrupted:
@@ -452,11 +480,14 @@ class ClusterEnv(VectorEnv):
         the last observation received, ``final_info`` empty); NEXT_STEP: the last observation, the next step resets.
         """
         resets: dict[int, Message] = {}
+        last: dict[int, list[Any]] = {}
         if self.autoreset_mode is AutoresetMode.SAME_STEP:
+            # Taken first: a worker on the shared step path resets into the batch itself.
+            last = {w: self._buffers.last_observations(self._slices[w]) for w in interrupted}
             meta = ResetMeta(seeds=None, mask=None)
             resets = self._pool.request(interrupted, Kind.RESET, meta, "resetting a replacement's envs", self.timeout)
         for w in interrupted:
-            infos = self._buffers.cut_short(infos, self._slices[w], resets.get(w))
+            infos = self._buffers.cut_short(infos, self._slices[w], resets.get(w), last.get(w))
         self._buffers.finish()
         return infos
 
@@ -725,6 +756,9 @@ class ClusterEnv(VectorEnv):
         abandoned = self._state.value
         self._state = AsyncState.DEFAULT
         self._pool.close(timeout, terminate=terminate)
+        buffers: BatchBuffers | None = getattr(self, "_buffers", None)  # none if building the envs failed
+        if buffers is not None:
+            buffers.detach()  # the shared memory the workers wrote goes once no one else holds a view of it
         if pending:
             # As AsyncVectorEnv warns; after closing, so that under warnings-as-errors the workers are gone already.
             gymnasium.logger.warn(f"Calling `close` while waiting for a pending call to `{abandoned}` to complete.")

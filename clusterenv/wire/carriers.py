@@ -11,11 +11,15 @@ compressed (not on a pipe). The channel never asks which carrier it has.
 
 from __future__ import annotations
 
+import errno
+import select
+import time
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import zmq
 
-from clusterenv.wire.pipes import LearnerPipes, Pipe
+from clusterenv.wire.pipes import WOKEN, LearnerPipes, Pipe, WakeSocket
 
 __all__ = ["Carrier", "LearnerCarrier", "PipeCarrier", "Received", "SocketCarrier"]
 
@@ -44,8 +48,58 @@ class Carrier(Protocol):
     def close(self, linger: int) -> None:
         """Close, keeping unsent records up to ``linger`` ms where that applies."""
 
+    def can_wake(self, peer: bytes | None) -> bool:
+        """Whether ``peer`` has a wake socket (the shared step path, :mod:`clusterenv.wire.step_region`)."""
 
-class SocketCarrier:
+    def wake(self, to: bytes | None) -> None:
+        """Send a wake-up byte; raises ``zmq.ZMQError`` if the peer is gone or has no wake socket."""
+
+    def waker(self, to: bytes) -> Callable[[], None]:
+        """A function that does what ``wake(to)`` does, for the peer ``to`` is now (the learner's)."""
+
+    def pass_fd(self, fd: int, to: bytes | None) -> None:
+        """Send a file descriptor over the peer's wake socket."""
+
+    def take_fd(self) -> int | None:
+        """A file descriptor received on the wake socket, if one has arrived (workers)."""
+
+    def await_wake_ups(self, peers: Sequence[bytes]) -> list[bytes]:
+        """Learner: wait for a wake-up from each of ``peers`` in turn; those that arrived (see ``LearnerPipes``)."""
+
+
+def _no_wake(to: bytes | None) -> zmq.ZMQError:
+    return zmq.ZMQError(errno.EHOSTUNREACH, f"{to!r} has no wake socket")
+
+
+class _Unwakeable:
+    """The wake-up methods of a carrier without wake sockets."""
+
+    def can_wake(self, peer: bytes | None) -> bool:
+        """Never."""
+        return False
+
+    def wake(self, to: bytes | None) -> None:
+        """Raises: there is no wake socket."""
+        raise _no_wake(to)
+
+    def waker(self, to: bytes) -> Callable[[], None]:
+        """Raises: there is no wake socket."""
+        raise _no_wake(to)
+
+    def pass_fd(self, fd: int, to: bytes | None) -> None:
+        """Raises: there is no wake socket."""
+        raise _no_wake(to)
+
+    def take_fd(self) -> int | None:
+        """Nothing ever arrives."""
+        return None
+
+    def await_wake_ups(self, peers: Sequence[bytes]) -> list[bytes]:
+        """None can arrive: receive as usual."""
+        return []
+
+
+class SocketCarrier(_Unwakeable):
     """A ZeroMQ socket: the learner's ROUTER or a worker's DEALER.
 
     Args:
@@ -127,19 +181,74 @@ class SocketCarrier:
 
 
 class PipeCarrier:
-    """A worker's pipe to the learner that started it: only these two processes hold it."""
+    """A worker's pipe to the learner that started it, and its wake socket if it has one: only these two hold them."""
 
-    def __init__(self, pipe: Pipe) -> None:
+    def __init__(self, pipe: Pipe, waker: WakeSocket | None = None) -> None:
         self.pipe = pipe
+        self.wake_socket = waker
 
     def send(self, frames: list[Any], to: bytes | None) -> None:
         """Write one record (blocking: the learner reads its end whenever it waits)."""
         self.pipe.write(frames)
 
     def recv(self, timeout_ms: int, routed: bool) -> Received | None:
-        """The next record from the learner."""
-        record = self.pipe.read(timeout_ms)
-        return None if record is None else (None, record)
+        """The next record from the learner, or a wake-up (frames :data:`~clusterenv.wire.pipes.WOKEN`)."""
+        waker = self.wake_socket
+        if waker is None:
+            record = self.pipe.read(timeout_ms)
+            return None if record is None else (None, record)
+        deadline = None if timeout_ms < 0 else time.monotonic() + timeout_ms / 1000
+        while True:
+            record = self.pipe.buffered()
+            if record is not None:
+                return None, record
+            if waker.take():
+                return None, WOKEN
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            readable = select.select([self.pipe.fd, waker.fd], [], [], remaining)[0]
+            if waker.fd in readable:
+                waker.read()
+            if self.pipe.fd in readable:
+                self.pipe.fill()
+            elif not readable and deadline is not None and time.monotonic() >= deadline:
+                return None
+
+    def can_wake(self, peer: bytes | None) -> bool:
+        """Whether the learner gave this worker a wake socket."""
+        return self.wake_socket is not None and not self.wake_socket.closed
+
+    def wake(self, to: bytes | None) -> None:
+        """Send the learner a wake-up byte."""
+        if self.wake_socket is None:
+            raise _no_wake(to)
+        self.wake_socket.wake()
+
+    def waker(self, to: bytes) -> Callable[[], None]:
+        """A worker wakes its learner with :meth:`wake`."""
+        raise _no_wake(to)
+
+    def pass_fd(self, fd: int, to: bytes | None) -> None:
+        """Workers pass no files."""
+        raise _no_wake(to)
+
+    def await_wake_ups(self, peers: Sequence[bytes]) -> list[bytes]:
+        """A worker takes its wake-ups in :meth:`recv`."""
+        return []
+
+    def take_fd(self) -> int | None:
+        """The oldest file the learner passed and nobody took yet, waiting up to a second for it to arrive.
+
+        The learner passes a file before the command that uses it, on another socket; the wait
+        covers the case of the command being read first.
+        """
+        waker = self.wake_socket
+        if waker is None:
+            return None
+        deadline = time.monotonic() + 1.0
+        while not waker.fds and time.monotonic() < deadline and not waker.closed:
+            if select.select([waker.fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                waker.read()
+        return waker.fds.popleft() if waker.fds else None
 
     def covers_arrays(self, peer: bytes | None) -> bool:
         """A pipe is private."""
@@ -153,8 +262,10 @@ class PipeCarrier:
         """A worker's only peer is its learner."""
 
     def close(self, linger: int) -> None:
-        """Close the worker's end: the learner reads the end of the stream."""
+        """Close the worker's end (and its wake socket): the learner reads the end of the stream."""
         self.pipe.close()
+        if self.wake_socket is not None and not self.wake_socket.closed:
+            self.wake_socket.close()
 
 
 class LearnerCarrier:
@@ -170,6 +281,7 @@ class LearnerCarrier:
             self.pipes.send(to, frames)
         else:
             self.socket.send(frames, to)
+            self.pipes.check_socket = True
 
     def recv(self, timeout_ms: int, routed: bool) -> Received | None:
         """The next message from a pipe or from the socket (the socket alone once every pipe is gone)."""
@@ -191,3 +303,31 @@ class LearnerCarrier:
         """Close the pipes and the socket."""
         self.pipes.close()
         self.socket.close(linger)
+
+    def can_wake(self, peer: bytes | None) -> bool:
+        """Whether ``peer`` is on a pipe with a wake socket."""
+        return self.pipes.has_wake(peer)
+
+    def wake(self, to: bytes | None) -> None:
+        """Send a wake-up byte to the worker process ``to``."""
+        if to is None:
+            raise _no_wake(to)
+        self.pipes.wake(to)
+
+    def waker(self, to: bytes) -> Callable[[], None]:
+        """A function that wakes the worker process ``to`` (as :meth:`wake`), for the shared step path's every step."""
+        return self.pipes.waker(to)
+
+    def pass_fd(self, fd: int, to: bytes | None) -> None:
+        """Send a file descriptor to the worker process ``to``."""
+        if to is None:
+            raise _no_wake(to)
+        self.pipes.pass_fd(to, fd)
+
+    def take_fd(self) -> int | None:
+        """The learner receives no files."""
+        return None
+
+    def await_wake_ups(self, peers: Sequence[bytes]) -> list[bytes]:
+        """Wait for a wake-up from each of the worker processes ``peers`` (see ``LearnerPipes.await_wake_ups``)."""
+        return self.pipes.await_wake_ups(peers)

@@ -8,6 +8,7 @@ are not array trees: their values are pickled instead.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -60,18 +61,21 @@ def leaf_specs(space: spaces.Space) -> list[tuple[np.dtype, tuple[int, ...], spa
 
 def unflatten(space: spaces.Space, leaves: list[np.ndarray]) -> Any:
     """Rebuild a batched value of ``space`` from its leaf arrays (inverse of :func:`leaf_arrays`)."""
-    it = iter(leaves)
+    if isinstance(space, _ARRAY_LEAVES):  # the common case, without an iterator
+        return leaves[0]
+    return _build(space, iter(leaves))
 
-    def build(s: spaces.Space) -> Any:
-        if isinstance(s, _ARRAY_LEAVES):
-            return next(it)
-        if isinstance(s, spaces.Tuple):
-            return tuple(build(child) for child in s.spaces)
-        if isinstance(s, spaces.Dict):
-            return {key: build(child) for key, child in s.spaces.items()}
-        raise TypeError(f"Space {s} has no fixed array form; its values must be pickled.")
 
-    return build(space)
+def _build(space: spaces.Space, leaves: Iterator[np.ndarray]) -> Any:
+    # A module function, not a closure: a recursive closure is a reference cycle that would keep
+    # the leaves (views of shared memory, say) alive until the garbage collector runs.
+    if isinstance(space, _ARRAY_LEAVES):
+        return next(leaves)
+    if isinstance(space, spaces.Tuple):
+        return tuple(_build(child, leaves) for child in space.spaces)
+    if isinstance(space, spaces.Dict):
+        return {key: _build(child, leaves) for key, child in space.spaces.items()}
+    raise TypeError(f"Space {space} has no fixed array form; its values must be pickled.")
 
 
 def batch_of_items(batch_space: spaces.Space, items: list[Any]) -> Any:

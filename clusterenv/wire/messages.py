@@ -38,6 +38,7 @@ __all__ = [
     "RolloutResultMeta",
     "SetPolicyMeta",
     "ShareObsMeta",
+    "StepRegionMeta",
     "ValueMeta",
     "WeightsMeta",
     "WeightsRequestMeta",
@@ -96,6 +97,18 @@ class ShareObsMeta(Empty):
     size: int
     leaves: list[list[Any]]  # [offset, dtype, shape] per observation leaf
     start: int  # the worker's slice of the batch
+    stop: int
+
+
+class StepRegionMeta(Empty):
+    """SHARE_STEP: the layout of the shared step region (its file travels on the wake socket) and the worker's rows."""
+
+    token: str  # hex: the region's first bytes, proving the file that came with it is this region
+    size: int
+    fields: list[list[Any]]  # [name, offset, dtype, batched shape] per field
+    worker: int  # whose header the worker uses
+    workers: int
+    start: int  # the worker's rows
     stop: int
 
 
@@ -200,6 +213,11 @@ class ResultMeta(Empty):
     """RESULT: observations, rewards and flags are the arrays; infos in a blob."""
 
     usage: NotRequired[UsageReport]
+    # On the shared step path: the command counter of the step whose results are in the region.
+    step: NotRequired[int]
+    # On the shared step path: the layout in which the worker's next steps may put infos like these
+    # in the region ([key, python type, dtype char] per key; see wire/step_region.py).
+    info_layout: NotRequired[list[list[str]]]
 
 
 class RolloutResultMeta(Empty):
@@ -232,6 +250,8 @@ _META: dict[Kind, type] = {
     Kind.ROLLOUT: RolloutMeta,
     Kind.ROLLOUT_AHEAD: RolloutAheadMeta,
     Kind.SHARE_OBS: ShareObsMeta,
+    Kind.SHARE_STEP: StepRegionMeta,
+    Kind.WAKE_UP: Empty,
     Kind.PROBE: ProbeMeta,
     Kind.WELCOME: WelcomeMeta,
     Kind.HELLO: HelloMeta,

@@ -22,9 +22,11 @@ once. A worker's end blocks: a worker only ever waits for its learner, which alw
 
 from __future__ import annotations
 
+import array
 import collections
 import errno
 import logging
+import os
 import select
 import socket
 import struct
@@ -34,7 +36,7 @@ from typing import Any
 
 import zmq
 
-__all__ = ["LearnerPipes", "Pipe", "PipeClosed", "pipe_pair"]
+__all__ = ["WOKEN", "LearnerPipes", "Pipe", "PipeClosed", "WakeSocket", "pipe_pair", "wake_pair"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,9 @@ _READ_CHUNK = 1 << 18
 _SOCKET_BUFFER_BYTES = 4 << 20
 # Buffers per sendmsg call (the kernel's IOV_MAX is 1024).
 _MAX_IOV = 512
+#: The longest the learner's blocking read of one wake socket waits (then the pool checks liveness).
+WAKE_READ_TIMEOUT_S = 0.05
+_RECEIVE_TIMEOUT = struct.pack("ll", 0, int(WAKE_READ_TIMEOUT_S * 1e6))  # struct timeval
 # ZeroMQ messages taken per poll before the pipes get their turn again.
 _MAX_ZMQ_PER_POLL = 64
 
@@ -57,6 +62,91 @@ def pipe_pair() -> tuple[socket.socket, socket.socket]:
         for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             end.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER_BYTES)
     return ours, theirs
+
+
+def wake_pair() -> tuple[socket.socket, socket.socket]:
+    """A connected pair of Unix stream sockets for wake-up bytes on the shared step path (neither inheritable)."""
+    return socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+
+
+#: What a carrier delivers as a record's frames for a wake-up byte (the shared step path): never framed.
+WOKEN: list[Any] = []
+
+# A wake-up byte: a command or a reply is in the shared step region.
+_WAKE = b"w"
+# Room for the few descriptors one read may carry (the learner passes one at a time).
+_ANCILLARY_BYTES = socket.CMSG_SPACE(4 * 4)
+# The byte that carries a file descriptor (the step region) as SCM_RIGHTS ancillary data.
+_FD = b"f"
+
+
+class WakeSocket:
+    """One end of a wake socket: single bytes that say "your turn" on the shared step path, and the region's file.
+
+    The learner's end never blocks (a byte always fits: at most one is in flight each way);
+    a worker's end waits in :meth:`PipeCarrier.recv <clusterenv.wire.carriers.PipeCarrier.recv>`
+    together with its pipe. Bytes read are counted, so that two wake-ups read at once are two.
+    """
+
+    def __init__(self, sock: socket.socket, *, blocking: bool, takes_fds: bool) -> None:
+        self.sock = sock
+        self.sock.setblocking(blocking)
+        self.fd = sock.fileno()
+        self.takes_fds = takes_fds  # a worker's end; the learner's ignores any (the kernel closes them)
+        self.closed = False
+        self.wakes = 0  # wake-up bytes read and not yet taken
+        self.fds: collections.deque[int] = collections.deque()  # files received and not yet taken
+
+    def wake(self) -> None:
+        """Send one wake-up byte; ``PipeClosed`` if the other end is gone."""
+        try:
+            os.write(self.fd, _WAKE)
+        except OSError as exc:
+            self.close()
+            raise PipeClosed(f"The other end of the wake socket is gone ({exc}).") from None
+
+    def pass_fd(self, fd: int) -> None:
+        """Send a file descriptor (it arrives before anything sent on the pipe after this call)."""
+        try:
+            socket.send_fds(self.sock, [_FD], [fd])
+        except OSError as exc:
+            self.close()
+            raise PipeClosed(f"The other end of the wake socket is gone ({exc}).") from None
+
+    def read(self) -> None:
+        """Read what has arrived (a blocking end: wait for it), counting wake-ups and keeping files."""
+        fds: list[int] = []
+        try:
+            if self.takes_fds:  # recvmsg itself: recv_fds() costs a worker more per step than the read
+                data, ancillary, _, _ = self.sock.recvmsg(64, _ANCILLARY_BYTES)
+                for level, kind, payload in ancillary:
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                        fds.extend(array.array("i", payload[: len(payload) - len(payload) % 4]))
+            else:
+                data = os.read(self.fd, 64)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        self.fds.extend(fds)
+        if not data:
+            self.close()
+            raise PipeClosed("The other end of the wake socket closed it.")
+        self.wakes += data.count(_WAKE)
+
+    def take(self) -> bool:
+        """Take one wake-up read earlier, if any."""
+        if self.wakes:
+            self.wakes -= 1
+            return True
+        return False
+
+    def close(self) -> None:
+        """Close this end, and any file received and not taken."""
+        self.closed = True
+        while self.fds:
+            os.close(self.fds.popleft())
+        self.sock.close()
 
 
 def _record(frames: Sequence[Any]) -> list[Any]:
@@ -152,6 +242,14 @@ class Pipe:
         _, body = _PREFIX.unpack_from(self._buffer)
         return min(body, self.max_record_bytes) + _PREFIX.size - len(self._buffer)
 
+    def buffered(self) -> list[memoryview] | None:
+        """The next record already read into the buffer, if complete; reads nothing."""
+        return self._next_record()
+
+    def fill(self) -> None:
+        """Read what has arrived (a blocking end waits for something)."""
+        self._fill()
+
     def read_available(self) -> list[list[memoryview]]:
         """Every complete record that has arrived (non-blocking ends), without waiting."""
         records = []
@@ -228,9 +326,17 @@ class LearnerPipes:
         self.max_record_bytes = max_record_bytes
         self._by_fd: dict[int, Pipe] = {}
         self._by_identity: dict[bytes, Pipe] = {}
+        self._wakes: dict[Pipe, WakeSocket] = {}  # each pipe's wake socket, for workers that have one
+        self._by_wake_fd: dict[int, Pipe] = {}
         self._inbox: collections.deque[tuple[bytes | None, list[Any]]] = collections.deque()
-        self._poller = zmq.Poller()
-        self._poller.register(zmq_socket, zmq.POLLIN)
+        # One poll over the pipes, the wake sockets and the ZeroMQ socket's own file descriptor, which
+        # signals only that the socket's events changed: recv() checks them before every poll.
+        self._poller = select.poll()
+        self._zmq_fd = int(zmq_socket.getsockopt(zmq.FD))
+        self._poller.register(self._zmq_fd, select.POLLIN)
+        #: Whether the socket's events must be read before the next wait: after its descriptor
+        #: signalled, and after anything else used the socket (a send may consume the signal).
+        self.check_socket = True
 
     def __bool__(self) -> bool:
         return bool(self._by_fd)
@@ -238,11 +344,58 @@ class LearnerPipes:
     def __contains__(self, identity: object) -> bool:
         return identity in self._by_identity
 
-    def add(self, sock: socket.socket) -> None:
-        """Take the learner's end of a pipe to a worker about to start."""
+    def add(self, sock: socket.socket, wake: socket.socket | None = None) -> None:
+        """Take the learner's end of a pipe to a worker about to start (and of its wake socket, if it has one)."""
         pipe = Pipe(sock, self.max_record_bytes, blocking=False)
         self._by_fd[pipe.fd] = pipe
-        self._poller.register(pipe.fd, zmq.POLLIN)
+        self._poller.register(pipe.fd, select.POLLIN)
+        if wake is not None:
+            # Blocking, for await_wake_ups(); recv() reads one only when the poll says it has a byte.
+            waker = WakeSocket(wake, blocking=True, takes_fds=False)
+            wake.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _RECEIVE_TIMEOUT)
+            self._wakes[pipe] = waker
+            self._by_wake_fd[waker.fd] = pipe
+            self._poller.register(waker.fd, select.POLLIN)
+
+    def has_wake(self, identity: object) -> bool:
+        """Whether the worker process ``identity`` has a wake socket (the shared step path can reach it)."""
+        pipe = self._by_identity.get(identity)  # type: ignore[call-overload]
+        return pipe is not None and pipe in self._wakes and not self._wakes[pipe].closed
+
+    def wake(self, identity: bytes) -> None:
+        """Send a wake-up byte to the worker process ``identity``; ``zmq.ZMQError(EHOSTUNREACH)`` if it is gone."""
+        self._on_wake(identity, WakeSocket.wake)
+
+    def waker(self, identity: bytes) -> Callable[[], None]:
+        """A function that does what ``wake(identity)`` does, for the process that has ``identity`` now."""
+        pipe = self._by_identity[identity]
+        waker = self._wakes[pipe]
+
+        def wake() -> None:
+            try:
+                if waker.closed:
+                    raise PipeClosed("The wake socket is closed.")
+                waker.wake()
+            except PipeClosed:
+                self._remove(pipe)
+                raise zmq.ZMQError(errno.EHOSTUNREACH, f"the wake socket of {identity!r} is closed") from None
+
+        return wake
+
+    def pass_fd(self, identity: bytes, fd: int) -> None:
+        """Send a file descriptor to the worker process ``identity`` over its wake socket."""
+        self._on_wake(identity, lambda waker: waker.pass_fd(fd))
+
+    def _on_wake(self, identity: bytes, action: Callable[[WakeSocket], None]) -> None:
+        pipe = self._by_identity.get(identity)
+        waker = None if pipe is None else self._wakes.get(pipe)
+        if pipe is None or waker is None or waker.closed:
+            raise zmq.ZMQError(errno.EHOSTUNREACH, f"the wake socket of {identity!r} is closed")
+        try:
+            action(waker)
+        except PipeClosed:
+            self._remove(pipe)
+            raise zmq.ZMQError(errno.EHOSTUNREACH, f"the wake socket of {identity!r} is closed") from None
 
     def drop(self, identity: bytes) -> None:
         """Close the pipe to that worker process, if it has one."""
@@ -257,6 +410,12 @@ class LearnerPipes:
             del self._by_identity[pipe.identity]
         if not pipe.closed:
             pipe.close()
+        waker = self._wakes.pop(pipe, None)
+        if waker is not None:
+            if self._by_wake_fd.pop(waker.fd, None) is not None:
+                self._poller.unregister(waker.fd)
+            if not waker.closed:
+                waker.close()
 
     def close(self) -> None:
         """Close every pipe."""
@@ -276,23 +435,23 @@ class LearnerPipes:
             self._remove(pipe)
             raise zmq.ZMQError(errno.EHOSTUNREACH, f"the pipe to {identity!r} is closed") from None
         if pipe.pending and not waited:
-            self._poller.modify(pipe.fd, zmq.POLLIN | zmq.POLLOUT)
+            self._poller.modify(pipe.fd, select.POLLIN | select.POLLOUT)
 
     def _flush(self, pipe: Pipe) -> None:
         try:
             pipe.flush()
         except PipeClosed as exc:
-            logger.debug("%s (worker %r)", exc, pipe.identity)
+            logger.debug("%s (worker %r)", str(exc), pipe.identity)
             self._remove(pipe)
             return
         if not pipe.pending:
-            self._poller.modify(pipe.fd, zmq.POLLIN)
+            self._poller.modify(pipe.fd, select.POLLIN)
 
     def _read(self, pipe: Pipe) -> None:
         try:
             records = pipe.read_available()
         except PipeClosed as exc:
-            logger.debug("%s (worker %r)", exc, pipe.identity)
+            logger.debug("%s (worker %r)", str(exc), pipe.identity)
             self._remove(pipe)
             return
         for frames in records:
@@ -300,6 +459,18 @@ class LearnerPipes:
                 self._name(pipe, frames)
             else:
                 self._inbox.append((pipe.identity, frames))
+
+    def _read_wake(self, pipe: Pipe) -> None:
+        waker = self._wakes[pipe]
+        try:
+            waker.read()
+        except PipeClosed as exc:  # the process is gone: its pipe says so too, and liveness checks see it
+            logger.debug("%s (worker %r)", str(exc), pipe.identity)
+            self._by_wake_fd.pop(waker.fd, None)
+            self._poller.unregister(waker.fd)
+            return
+        while pipe.identity is not None and waker.take():
+            self._inbox.append((pipe.identity, WOKEN))
 
     def _name(self, pipe: Pipe, frames: list[memoryview]) -> None:
         identity = bytes(frames[0]) if len(frames) == 1 else b""
@@ -315,19 +486,70 @@ class LearnerPipes:
         deadline = None if timeout_ms < 0 else time.monotonic() + timeout_ms / 1000
         while not self._inbox:
             remaining = -1 if deadline is None else max(0, round((deadline - time.monotonic()) * 1000))
-            events = self._poller.poll(remaining)
-            for source, event in events:
-                if source is self._zmq_socket:
-                    self._take_zmq()
-                elif source in self._by_fd:
-                    pipe = self._by_fd[source]
-                    if event & zmq.POLLOUT:
-                        self._flush(pipe)
-                    if event & (zmq.POLLIN | zmq.POLLERR) and not pipe.closed:
-                        self._read(pipe)
+            self._poll(remaining)
             if not self._inbox and deadline is not None and time.monotonic() >= deadline:
                 return None
         return self._inbox.popleft()
+
+    def await_wake_ups(self, identities: Sequence[bytes]) -> list[bytes]:
+        """Wait for a wake-up from each of the processes ``identities``, in turn; those that arrived, in order.
+
+        The shared step path's receive: a blocking read of each wake socket, nothing to poll or
+        parse. A step always ends with its worker's wake-up (a reply message, if any, was sent
+        before it), so nothing else needs watching meanwhile. It returns early, with what
+        arrived so far, when a read waits ``WAKE_READ_TIMEOUT_S`` in vain or finds the end of
+        the stream, and at once if anything read earlier is still to be received: :meth:`recv`
+        takes it from there.
+        """
+        if self._inbox:
+            return []
+        woken: list[bytes] = []
+        for identity in identities:
+            pipe = self._by_identity.get(identity)
+            waker = None if pipe is None else self._wakes.get(pipe)
+            if pipe is None or waker is None or waker.closed or pipe.pending:
+                return woken
+            try:
+                data = os.read(waker.fd, 64)
+            except (BlockingIOError, InterruptedError):  # SO_RCVTIMEO passed
+                return woken
+            except OSError:
+                data = b""
+            if len(data) != 1:  # the end of the stream, or more than the one reply in flight
+                self._requeue(identity, data)
+                return woken
+            woken.append(identity)
+        return woken
+
+    def _requeue(self, identity: bytes, data: bytes) -> None:
+        """What a raw read of a wake socket found besides one wake-up: wake-ups for recv(), or the end of the stream."""
+        pipe = self._by_identity[identity]
+        waker = self._wakes[pipe]
+        if not data:
+            self._read_wake(pipe)  # reads the end again, and closes it there
+            return
+        waker.wakes += data.count(_WAKE)
+        while waker.take():
+            self._inbox.append((identity, WOKEN))
+
+    def _poll(self, timeout_ms: int) -> None:
+        """Wait up to ``timeout_ms`` (-1: forever) for anything to read or write; what arrived goes to the inbox."""
+        if self.check_socket:
+            if int(self._zmq_socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                self._take_zmq()
+                return
+            self.check_socket = False
+        for source, event in self._poller.poll(timeout_ms):
+            if source == self._zmq_fd:
+                self.check_socket = True
+            elif source in self._by_wake_fd:
+                self._read_wake(self._by_wake_fd[source])
+            elif source in self._by_fd:
+                pipe = self._by_fd[source]
+                if event & select.POLLOUT:
+                    self._flush(pipe)
+                if event & (select.POLLIN | select.POLLERR | select.POLLHUP) and not pipe.closed:
+                    self._read(pipe)
 
     def _take_zmq(self) -> None:
         for _ in range(_MAX_ZMQ_PER_POLL):

@@ -126,6 +126,10 @@ class Kind(IntEnum):
     SHARE_OBS = 12
     PROBE = 13
     WELCOME = 14
+    SHARE_STEP = 15
+    #: A wake-up on the shared step path (:mod:`clusterenv.wire.step_region`): never framed or sent,
+    #: the channel's name for a byte on a wake socket (a command to a worker, a reply to the learner).
+    WAKE_UP = 16
 
     HELLO = 101
     READY = 102
@@ -199,6 +203,9 @@ class Message:
     meta: Mapping[str, Any] = field(default_factory=dict)
     arrays: list[np.ndarray] = field(default_factory=list)
     blobs: list[bytes] = field(default_factory=list)
+    #: Infos already decoded (a ``clusterenv.wire.infos.InfoPayload``): a reply on the shared step
+    #: path whose infos were in shared memory. Never framed; ``None``: they are in the first blob.
+    infos: Any = None
 
 
 class Session:

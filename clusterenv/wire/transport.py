@@ -43,7 +43,7 @@ import shutil
 import socket as pysocket
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -57,7 +57,7 @@ from clusterenv.wire import codecs
 from clusterenv.wire.carriers import Carrier, LearnerCarrier, PipeCarrier, SocketCarrier
 from clusterenv.wire.cleanup import scratch_dir
 from clusterenv.wire.messages import WelcomeMeta, check_meta
-from clusterenv.wire.pipes import LearnerPipes, Pipe
+from clusterenv.wire.pipes import WOKEN, LearnerPipes, Pipe, WakeSocket
 from clusterenv.wire.protocol import (
     NONCE_BYTES,
     Kind,
@@ -78,6 +78,7 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "PRE_JOIN_BYTES",
     "SECRET_ENV_VAR",
+    "WAKE_UP",
     "Channel",
     "Curve",
     "is_loopback",
@@ -86,6 +87,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: What a channel returns for a wake-up byte from a peer (the shared step path): the data is in the step region.
+WAKE_UP = Message(Kind.WAKE_UP)
 
 SECRET_ENV_VAR = "CLUSTERENV_SECRET"
 # A generous cap: policy weights travel in one message. Larger messages are dropped by ZeroMQ.
@@ -177,7 +181,11 @@ class Curve:
 
 
 class _DropLog:
-    """Logs dropped messages, at most ``DROP_LOG_BURST`` per window: a flood must not flood the log."""
+    """Logs dropped messages, at most ``DROP_LOG_BURST`` per window: a flood must not flood the log.
+
+    It logs the error's text, not the error: a handler that keeps log records (a test's) would
+    otherwise keep its traceback, and with it the frames of the receive and what they refer to.
+    """
 
     def __init__(self) -> None:
         self.window_end = 0.0
@@ -196,7 +204,7 @@ class _DropLog:
             self.window_end, self.logged, self.suppressed = now + DROP_LOG_WINDOW_S, 0, 0
         if self.logged < DROP_LOG_BURST:
             self.logged += 1
-            logger.warning("Dropped a message from %r: %s", sender, exc)
+            logger.warning("Dropped a message from %r: %s", sender, str(exc))
         else:
             self.suppressed += 1
 
@@ -346,31 +354,47 @@ class Channel:
 
     @classmethod
     def connect_pipe(
-        cls, fd: int, key: bytes, identity: bytes, *, max_message_bytes: int = MAX_MESSAGE_BYTES
+        cls,
+        fd: int,
+        key: bytes,
+        identity: bytes,
+        *,
+        wake_fd: int | None = None,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
     ) -> Channel:
-        """A worker's channel on the pipe its learner gave it (file descriptor ``fd``, ``pipe://FD``).
+        """A worker's channel on the pipe its learner gave it (file descriptor ``fd``, ``pipe://FD[,WAKE_FD]``).
 
         Its first record names the worker's routing id, as a DEALER's identity does on ZeroMQ.
-        Nothing is compressed or MACed over arrays: only the learner and this process hold the pipe.
+        Nothing is compressed or MACed over arrays: only the learner and this process hold the pipe
+        (and the wake socket ``wake_fd`` of the shared step path, if the learner gave one).
         """
         sock = pysocket.socket(fileno=fd)
         os.set_inheritable(fd, False)  # env code that forks must not hold the learner's pipe
         pipe = Pipe(sock, max_message_bytes, blocking=True)
         pipe.identity = identity
         pipe.write([identity])
+        waker = None
+        if wake_fd is not None:
+            os.set_inheritable(wake_fd, False)
+            waker = WakeSocket(pysocket.socket(fileno=wake_fd), blocking=True, takes_fds=True)
         return cls(
-            PipeCarrier(pipe), key, None, accept_joins=False, max_message_bytes=max_message_bytes, identity=identity
+            PipeCarrier(pipe, waker),
+            key,
+            None,
+            accept_joins=False,
+            max_message_bytes=max_message_bytes,
+            identity=identity,
         )
 
-    def add_pipe(self, sock: pysocket.socket) -> None:
-        """Learner: take its end of the pipe to a worker it is starting (the worker joins over it)."""
+    def add_pipe(self, sock: pysocket.socket, wake: pysocket.socket | None = None) -> None:
+        """Learner: take its end of the pipe (and wake socket) to a worker it is starting (the worker joins over it)."""
         if self.pipes is None:
             socket = self.zmq_carrier
             self.pipes = LearnerPipes(
                 socket.socket, functools.partial(socket.take, zmq.NOBLOCK, True), self.max_message_bytes
             )
             self.carrier = LearnerCarrier(socket, self.pipes)
-        self.pipes.add(sock)
+        self.pipes.add(sock, wake)
 
     @property
     def zmq_carrier(self) -> SocketCarrier:
@@ -398,6 +422,38 @@ class Channel:
         heartbeat = self.sessions[peer].heartbeat
         assert heartbeat is not None
         return heartbeat
+
+    # -- the shared step path's wake sockets (:mod:`clusterenv.wire.step_region`) ---------------
+    def can_wake(self, peer: bytes | None = None) -> bool:
+        """Whether ``peer`` (a worker: its learner) has a wake socket."""
+        return self.carrier.can_wake(peer)
+
+    def wake(self, to: bytes | None = None) -> None:
+        """Send a wake-up byte to ``to`` (a worker: to its learner)."""
+        self.carrier.wake(to)
+
+    def waker(self, to: bytes) -> Callable[[], None]:
+        """Learner: a function that sends a wake-up byte to the worker process ``to`` (``zmq.ZMQError`` once gone)."""
+        return self.carrier.waker(to)
+
+    def pass_fd(self, fd: int, to: bytes) -> None:
+        """Learner: send a file descriptor to the worker process ``to`` over its wake socket."""
+        self.carrier.pass_fd(fd, to)
+
+    def take_fd(self) -> int | None:
+        """Worker: a file descriptor its learner passed, if one arrived."""
+        return self.carrier.take_fd()
+
+    def await_wake_ups(self, peers: Sequence[bytes]) -> list[bytes]:
+        """Learner: wait for a wake-up from each of the joined worker processes ``peers`` in turn.
+
+        Returns those that arrived, in order; it stops early when a read waits too long or
+        anything else needs reading, which :meth:`recv` then returns (see ``LearnerPipes.await_wake_ups``).
+        """
+        started = time.perf_counter()
+        woken = self.carrier.await_wake_ups(peers)
+        self.waited_s += time.perf_counter() - started
+        return woken
 
     def forget(self, peer: bytes) -> None:
         """Drop a peer's keys: nothing it sends is accepted any more."""
@@ -503,6 +559,10 @@ class Channel:
                 return None
             sender, frames = received
             session = self.sessions.get(sender)
+            if frames is WOKEN:  # a wake-up byte on the shared step path: its data is in the step region
+                if session is not None:
+                    return sender, WAKE_UP
+                continue
             try:
                 # Sizes first, from the frames' lengths: nothing is copied or parsed before the MAC.
                 size = len(frames[0]) if len(frames) == 1 else sum(len(frame) for frame in frames)

@@ -33,6 +33,7 @@ from clusterenv.worker.heartbeat import HeartbeatClient
 from clusterenv.worker.local_policy import RolloutAborted
 from clusterenv.worker.local_policy import install as install_policy_handlers
 from clusterenv.worker.recording_env import RecordingVectorEnv
+from clusterenv.worker.shared_steps import ends_with_wake_up, install_step_handlers
 
 __all__ = ["main", "serve", "use_batch_scheduling"]
 
@@ -92,6 +93,7 @@ def serve(
     join_timeout: float | None = None,
     procs: int | None = None,
     encrypt: bool = False,
+    wake_fd: int | None = None,
 ) -> int:
     """Connect to the learner at ``address`` and serve commands until CLOSE or learner death.
 
@@ -103,6 +105,7 @@ def serve(
         join_timeout: give up if the learner has not sent INIT within this many seconds.
         procs: env processes to step the slice with (``None``: the learner's ``procs_per_worker``).
         encrypt: connect with CurveZMQ, as a learner with ``ClusterEnv(encrypt=True)`` expects.
+        wake_fd: with a ``pipe://`` address, the wake socket of the shared step path.
 
     Returns:
         The exit status for the process: 0 after CLOSE, ``LEARNER_LOST_EXIT_CODE`` when the
@@ -113,13 +116,14 @@ def serve(
     identity = new_identity(worker_id)
     curve = Curve.from_secret(key) if encrypt else None
     if address.startswith(PIPE_SCHEME):  # a pipe from the learner that started this process
-        channel = Channel.connect_pipe(int(address.removeprefix(PIPE_SCHEME)), key, identity)
+        channel = Channel.connect_pipe(int(address.removeprefix(PIPE_SCHEME)), key, identity, wake_fd=wake_fd)
     else:
         channel = Channel.connect_dealer(context, address, key, identity, curve=curve)
 
     def make_worker(slot: int) -> Worker:
         worker = Worker(slot, procs)
         install_policy_handlers(worker)  # the local-policy commands (SET_POLICY, SET_WEIGHTS, ROLLOUT)
+        install_step_handlers(worker)  # the shared step path (SHARE_STEP, WAKE_UP)
         return worker
 
     mailbox = Mailbox(channel, make_worker)
@@ -174,6 +178,8 @@ def serve(
                 reply = _error_reply(worker, exc)
             if reply is not None:
                 _send_reply(mailbox, worker, reply)
+            if ends_with_wake_up(msg):
+                channel.wake()  # a step on the shared path: its results are in the region, its message sent
     except PipeClosed:
         logger.warning("Worker %d: the learner closed its pipe; exiting.", own.worker_id)
         return _learner_lost(mailbox)
@@ -224,6 +230,12 @@ def main(argv: list[str] | None = None) -> None:
         default=None if slurm_id is None else int(slurm_id),
         help="id to ask the learner for (default: $SLURM_PROCID, else any free id)",
     )
+    parser.add_argument(
+        "--wake",
+        type=int,
+        default=None,
+        help="with pipe://FD: the wake socket of the shared step path (started by the learner)",
+    )
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     parser.add_argument(
         "--join-timeout", type=float, default=None, help="exit if no learner sends work within this many seconds"
@@ -263,6 +275,7 @@ def main(argv: list[str] | None = None) -> None:
         join_timeout=args.join_timeout,
         procs=args.procs,
         encrypt=args.encrypt,
+        wake_fd=args.wake,
     )
     logger.debug("Worker %s served for %.1f s.", name, time.monotonic() - started)
     # os._exit, not sys.exit: it skips interpreter teardown, which takes 1.5-5 s once a local

@@ -105,6 +105,14 @@ class RecordingVectorEnv(SyncVectorEnv):
             new[...] = old
         self._observations = view  # SyncVectorEnv's concatenate(..., out=) now fills it
 
+    def observe_into(self, view: Any) -> None:
+        """From now on, write observations into ``view``, leaving what it holds until the next reset or step.
+
+        The shared step region: a replacement's fresh envs have no observation yet, and the
+        region still holds the last ones the learner received of the envs they replace.
+        """
+        self._observations = view
+
     def share_observations(self, meta: Mapping[str, Any]) -> bool:
         """Write observations into the shared batch that ``meta`` describes (``shared_obs``), if it maps here."""
         view = shared_memory.attach(meta, self.single_observation_space)

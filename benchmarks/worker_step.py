@@ -1,0 +1,107 @@
+"""A worker's own CPU per step of 8 CartPoles, on the shared step path and on the message path, against Sync.
+
+The worker's CPU time is read from ``/proc`` (``ClusterEnv.worker_info["cpu_s"]``) over the
+timed steps: its envs' steps, reading the command and writing the results, and its wake-ups.
+``SyncVectorEnv`` stepping the same 8 CartPoles in this process gives the envs' own cost. Rounds
+alternate the three, and the medians are reported.
+
+    python benchmarks/worker_step.py             # 3 rounds of 10,000 steps
+    python benchmarks/worker_step.py --quick
+
+Writes ``results/worker_step.json`` and ``results/worker_step.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import tyro
+from report import command_line  # the sibling module
+
+from clusterenv import ClusterEnv
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+NUM_ENVS = 8
+
+
+@dataclasses.dataclass
+class Args:
+    rounds: int = 3
+    steps: int = 10000
+    quick: bool = False
+    """one round of 500 steps: to try the script"""
+
+
+def _actions(steps: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 2, NUM_ENVS) for _ in range(steps)]
+
+
+def sync_us_per_step(steps: int) -> float:
+    envs = gym.vector.SyncVectorEnv([lambda: gym.make("CartPole-v1")] * NUM_ENVS)
+    envs.reset(seed=0)
+    actions = _actions(steps)
+    started = time.process_time()
+    for action in actions:
+        envs.step(action)
+    cpu = time.process_time() - started
+    envs.close()
+    return cpu / steps * 1e6
+
+
+def worker_us_per_step(steps: int, shared_memory: bool) -> float:
+    with ClusterEnv([lambda: gym.make("CartPole-v1")] * NUM_ENVS, num_workers=1, shared_memory=shared_memory) as envs:
+        assert envs.worker_info[0]["step_path"] == ("shared memory" if shared_memory else "messages")
+        envs.reset(seed=0)
+        actions = _actions(steps)
+        for action in actions[:200]:  # warm up
+            envs.step(action)
+        started = envs.worker_info[0]["cpu_s"]
+        for action in actions:
+            envs.step(action)
+        cpu = envs.worker_info[0]["cpu_s"] - started
+    return cpu / steps * 1e6
+
+
+def main(args: Args) -> None:
+    if args.quick:
+        args.rounds, args.steps = 1, 500
+    runs: dict[str, list[float]] = {"sync": [], "shared memory": [], "messages": []}
+    for _ in range(args.rounds):
+        runs["sync"].append(sync_us_per_step(args.steps))
+        runs["shared memory"].append(worker_us_per_step(args.steps, shared_memory=True))
+        runs["messages"].append(worker_us_per_step(args.steps, shared_memory=False))
+    medians = {name: statistics.median(values) for name, values in runs.items()}
+    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    sync = medians["sync"]
+    lines = [
+        f"`{command_line(__file__)}`, {date}, {os.cpu_count()} cores: CPU per step of {NUM_ENVS} CartPole-v1 envs, "
+        f"medians of {args.rounds} alternated rounds of {args.steps:,} steps. The worker's CPU is its process's, "
+        "from /proc (clock ticks: 10 ms granularity over the whole run).",
+        "",
+        "| who steps the 8 envs | CPU per step (µs) | per env (µs) | against Sync |",
+        "|---|---:|---:|---:|",
+        f"| `SyncVectorEnv`, in the process | {sync:.1f} | {sync / NUM_ENVS:.2f} | 1.00x |",
+    ]
+    for name in ("shared memory", "messages"):
+        value = medians[name]
+        lines.append(
+            f"| a clusterenv worker, {name} path | {value:.1f} | {value / NUM_ENVS:.2f} | {value / sync:.2f}x |"
+        )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    RESULTS_DIR.mkdir(exist_ok=True)
+    (RESULTS_DIR / "worker_step.md").write_text(text)
+    payload = {"date": date, "cores": os.cpu_count(), "args": dataclasses.asdict(args), "medians_us": medians}
+    (RESULTS_DIR / "worker_step.json").write_text(json.dumps({**payload, "runs": runs}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,302 @@
+"""The shared step region: what a plain step moves, in memory the learner shares with its local workers.
+
+A step of cheap envs moves a few hundred bytes, and on the message path each worker's
+reply cost the learner more CPU than the envs' own step (framing, MACs, parsing). For the
+workers the learner starts on its own host, one anonymous shared file (``memfd``) holds,
+batched over all envs, every field a plain step moves, and one header per worker::
+
+    [ token | worker 0 header | worker 1 header | ... | actions leaves | observation leaves
+      | rewards | terminations | truncations | infos (INFO_SLOTS x 8 bytes per env) ]
+
+    header (two cache lines):  command: [counter u64, call u64]   reply: [counter u64, status u64]
+
+A command is the worker's actions written into its rows, then its header's command
+``counter`` (one more than the last, never reused) and ``call`` (the learner's call number,
+which the worker echoes in any message it sends about this step), then a wake-up byte on
+the worker's wake socket. A reply is the observations, rewards and flags written into the
+worker's rows, the reply ``counter`` (the command's) and a ``status``, then a wake-up byte
+back. When the step produced something the region has no place for (infos, a usage report),
+or raised, the worker sends that reply as a message on its pipe first (naming the counter,
+or an ERROR as on the message path), then sets the status that says so and wakes the
+learner: every step ends with a wake-up, so a learner waiting for them watches nothing else.
+
+Infos that every env reports at every step, as numbers under the same keys (MuJoCo's
+``x_position``, Atari's ``lives``), go in the region too, in a layout learned from the
+first steps: a worker names the layout in a message that carries such infos, and its
+later steps whose infos fit it write them into its info rows (status ``INFOS``) instead of
+sending a message. Anything else (a new key, another type, a ``final_obs``) is a message.
+
+The learner reads a reply only once its counter matches the command it sent and its status
+is known, so a stale or torn slot can never be read as a reply. Observations are the
+learner's batch itself: the worker's envs write them in place. Nothing in the region is
+ever unpickled; its layout follows from the spaces alone, and a worker maps it only if its
+own spaces give the same layout. The file has no name: it is passed over the wake socket
+(``SCM_RIGHTS``), so nothing is left behind by a learner that is killed.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gymnasium import spaces
+
+from clusterenv.wire.infos import InfoPayload, PackedInfos
+from clusterenv.wire.leaves import is_array_tree, leaf_specs, unflatten
+from clusterenv.wire.messages import StepRegionMeta
+
+__all__ = [
+    "DONE",
+    "INFOS",
+    "INFO_SLOTS",
+    "MESSAGE",
+    "InfoLayout",
+    "check_layout",
+    "fits",
+    "info_layout",
+    "read_infos",
+    "write_infos",
+    "StepRegion",
+    "WorkerRows",
+    "attach_rows",
+    "region_layout",
+]
+
+#: Reply status: the results are in the worker's rows.
+DONE = 1
+#: Reply status: the worker's reply is a message, sent before its wake-up: the results are in its
+#: rows and the message has the rest (infos, a usage report), or the step raised and it is an ERROR.
+MESSAGE = 2
+#: Reply status: the results are in the worker's rows, and its infos in its info rows, in the layout
+#: its last message named.
+INFOS = 3
+
+#: Info keys per env the region holds, each in 8 bytes: scalars that every env reports at every step
+#: (MuJoCo's ``x_position``, Atari's ``lives``). Other infos travel as messages.
+INFO_SLOTS = 8
+_SLOT_BYTES = 8
+#: How one key of a layout came to the worker: ``(key, python type, dtype char)``, as ``pack_infos`` packs it.
+InfoLayout = tuple[tuple[str, str, str], ...]
+
+_ALIGN = 64
+_TOKEN_BYTES = 16
+_SCALAR_TYPES = ("int", "float", "bool", "numpy")
+_HEADER_BYTES = 2 * _ALIGN  # the command's cache line and the reply's: each side writes its own
+
+#: One field of the region: ``(name, offset, dtype, batched shape)``.
+Field = tuple[str, int, np.dtype, tuple[int, ...]]
+
+
+def region_layout(
+    observation_space: spaces.Space, action_space: spaces.Space, num_envs: int, num_workers: int
+) -> tuple[list[Field], int]:
+    """Every field of the region, each on its own cache lines after the headers, and the region's size."""
+    fields: list[Field] = []
+    offset = _ALIGN + num_workers * _HEADER_BYTES
+
+    def add(name: str, dtype: np.dtype, shape: tuple[int, ...]) -> None:
+        nonlocal offset
+        batched = (num_envs, *shape)
+        fields.append((name, offset, np.dtype(dtype), batched))
+        offset += -(-max(1, math.prod(batched) * np.dtype(dtype).itemsize) // _ALIGN) * _ALIGN
+
+    for i, (dtype, shape, _) in enumerate(leaf_specs(action_space)):
+        add(f"action{i}", dtype, shape)
+    for i, (dtype, shape, _) in enumerate(leaf_specs(observation_space)):
+        add(f"obs{i}", dtype, shape)
+    add("rewards", np.dtype(np.float64), ())
+    add("terminations", np.dtype(np.bool_), ())
+    add("truncations", np.dtype(np.bool_), ())
+    add("infos", np.dtype(np.uint8), (INFO_SLOTS * _SLOT_BYTES,))
+    return fields, offset
+
+
+def fits(observation_space: spaces.Space, action_space: spaces.Space) -> bool:
+    """Whether both spaces have a fixed array form (Box, Discrete, MultiDiscrete, MultiBinary, Dict/Tuple of them)."""
+    return is_array_tree(observation_space) and is_array_tree(action_space)
+
+
+@dataclass
+class WorkerRows:
+    """One worker's view of the region: its header words and its rows of every field.
+
+    Attributes:
+        command: ``[counter, call]`` (the learner writes them).
+        reply: ``[counter, status]`` (the worker writes them).
+        actions, observations: leaf arrays of the worker's rows.
+        rewards, terminations, truncations: the worker's rows.
+        infos: the worker's info rows: ``INFO_SLOTS`` values of 8 bytes per env (raw).
+    """
+
+    command: np.ndarray
+    reply: np.ndarray
+    actions: list[np.ndarray]
+    observations: list[np.ndarray]
+    rewards: np.ndarray
+    terminations: np.ndarray
+    truncations: np.ndarray
+    infos: np.ndarray
+
+    def clear(self) -> None:
+        """Zero the headers (a replacement starts from a cleared slot)."""
+        self.command[:] = 0
+        self.reply[:] = 0
+
+
+def _batch(buffer: Any, fields: list[Field]) -> dict[str, np.ndarray]:
+    """Every field of the region, batched over all envs."""
+    return {name: np.ndarray(shape, dtype, buffer=buffer, offset=offset) for name, offset, dtype, shape in fields}
+
+
+def _rows(buffer: Any, batch: dict[str, np.ndarray], worker: int, rows: slice) -> WorkerRows:
+    """Worker ``worker``'s header and its ``rows`` of the ``batch`` (views of the batch's own arrays)."""
+    header = _ALIGN + worker * _HEADER_BYTES
+    return WorkerRows(
+        command=np.ndarray((2,), np.uint64, buffer=buffer, offset=header),
+        reply=np.ndarray((2,), np.uint64, buffer=buffer, offset=header + _ALIGN),
+        actions=[view[rows] for name, view in batch.items() if name.startswith("action")],
+        observations=[view[rows] for name, view in batch.items() if name.startswith("obs")],
+        rewards=batch["rewards"][rows],
+        terminations=batch["terminations"][rows],
+        truncations=batch["truncations"][rows],
+        infos=batch["infos"][rows],
+    )
+
+
+class StepRegion:
+    """The learner's side: the region of all envs, its batch of observations, and each worker's rows.
+
+    Args:
+        observation_space, action_space: one env's spaces (both with a fixed array form).
+        slices: the envs of each worker.
+    """
+
+    def __init__(self, observation_space: spaces.Space, action_space: spaces.Space, slices: list[slice]) -> None:
+        if not fits(observation_space, action_space):
+            raise TypeError("The step region needs observation and action spaces with a fixed array form.")
+        self.observation_space = observation_space
+        self.action_space = action_space
+        self.slices = slices
+        self.num_envs = slices[-1].stop
+        self._fields, self.size = region_layout(observation_space, action_space, self.num_envs, len(slices))
+        self.fd = os.memfd_create("clusterenv-steps", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, self.size)
+            # The views keep the mapping alive as long as any array (a user's copy=False batch) refers to it.
+            self._buffer = mmap.mmap(self.fd, self.size)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.token = secrets.token_bytes(_TOKEN_BYTES)
+        self._buffer[:_TOKEN_BYTES] = self.token
+        batch = _batch(self._buffer, self._fields)
+        #: Each worker's header and rows: views of the batch's arrays below.
+        self.workers = [_rows(self._buffer, batch, w, sl) for w, sl in enumerate(slices)]
+        #: The batch of actions, as leaf arrays.
+        self.actions = [view for name, view in batch.items() if name.startswith("action")]
+        #: The batch of observations, in the region: the learner's batch buffer.
+        self.observations = unflatten(observation_space, [v for n, v in batch.items() if n.startswith("obs")])
+        #: The batch's rewards, terminations and truncations, in the region.
+        self.step_fields = (batch["rewards"], batch["terminations"], batch["truncations"])
+
+    def meta(self, worker_id: int) -> StepRegionMeta:
+        """What worker ``worker_id`` needs to map its rows (the file itself travels on its wake socket)."""
+        sl = self.slices[worker_id]
+        return StepRegionMeta(
+            token=self.token.hex(),
+            size=self.size,
+            fields=[[name, offset, dtype.str, list(shape)] for name, offset, dtype, shape in self._fields],
+            worker=worker_id,
+            workers=len(self.slices),
+            start=sl.start,
+            stop=sl.stop,
+        )
+
+    def close(self) -> None:
+        """Close the file; the mapping lives on while views of it do."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def attach_rows(
+    fd: int, meta: Mapping[str, Any], observation_space: spaces.Space, action_space: spaces.Space
+) -> WorkerRows | None:
+    """The worker's side: map the region in ``fd`` and return its rows, or ``None`` if the layout is not its own.
+
+    The layout must be the one this worker's own spaces give, and the rows inside the region:
+    a worker never writes outside of what the learner reads.
+    """
+    try:
+        if not fits(observation_space, action_space) or os.fstat(fd).st_size != meta["size"]:
+            return None
+        start, stop, worker, workers = (int(meta[k]) for k in ("start", "stop", "worker", "workers"))
+        fields = [(str(n), int(o), np.dtype(d), tuple(int(x) for x in s)) for n, o, d, s in meta["fields"]]
+        num_envs = fields[0][3][0]
+        if (fields, int(meta["size"])) != region_layout(observation_space, action_space, num_envs, workers):
+            return None
+        if not (0 <= worker < workers and 0 <= start < stop <= num_envs):
+            return None
+        buffer = mmap.mmap(fd, int(meta["size"]))
+    finally:
+        os.close(fd)
+    if buffer[:_TOKEN_BYTES] != bytes.fromhex(meta["token"]):
+        return None
+    return _rows(buffer, _batch(buffer, fields), worker, slice(start, stop))
+
+
+def info_layout(payload: InfoPayload) -> InfoLayout | None:
+    """The layout that puts a slice's packed infos in the region, or ``None`` if they do not fit one.
+
+    They fit when every env of the slice reports the same keys, each a number (a Python
+    ``int``/``float``/``bool`` or a numpy scalar) of 8 bytes or fewer, and there are at most
+    ``INFO_SLOTS`` keys.
+    """
+    if isinstance(payload, list) or len(payload[1]) > INFO_SLOTS:
+        return None
+    layout = []
+    for key, kind, rows, data in payload[1]:
+        if kind != "n" or rows or data[2] != () or data[0] not in _SCALAR_TYPES or np.dtype(data[1]).itemsize > 8:
+            return None
+        layout.append((key, data[0], data[1]))
+    return tuple(layout)
+
+
+def check_layout(layout: Any) -> InfoLayout:
+    """A layout a worker named, checked (``ValueError`` unless it is one :func:`info_layout` could give)."""
+    try:
+        checked = tuple((str(key), str(kind), str(char)) for key, kind, char in layout)
+        ok = len(checked) <= INFO_SLOTS and all(
+            kind in _SCALAR_TYPES and np.dtype(char).kind in "biufc" and np.dtype(char).itemsize <= 8
+            for _, kind, char in checked
+        )
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"Not an info layout: {layout!r}.")
+    return checked
+
+
+def write_infos(rows: np.ndarray, payload: PackedInfos) -> None:
+    """Write a slice's packed infos (that :func:`info_layout` fits) into its info ``rows``."""
+    size = len(rows)
+    for slot, (_, _, _, (_, char, _, raw)) in enumerate(payload[1]):
+        itemsize = np.dtype(char).itemsize
+        start = slot * _SLOT_BYTES
+        rows[:, start : start + itemsize] = np.frombuffer(raw, dtype=np.uint8).reshape(size, itemsize)
+
+
+def read_infos(rows: np.ndarray, layout: InfoLayout) -> PackedInfos:
+    """The packed infos that info ``rows`` hold in ``layout``: what the worker's message would have carried."""
+    columns = []
+    for slot, (key, kind, char) in enumerate(layout):
+        start = slot * _SLOT_BYTES
+        raw = rows[:, start : start + np.dtype(char).itemsize].tobytes()
+        columns.append((key, "n", b"", (kind, char, (), raw)))
+    return len(rows), tuple(columns)

@@ -1,0 +1,407 @@
+"""Workers the learner starts on its own host step through shared memory: exactly, chosen per worker, recovered.
+
+A plain step of such a worker is its actions written into a shared region and one wake-up
+byte each way (``clusterenv.wire.step_region``); everything else keeps the message path.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+from contextlib import closing
+from types import SimpleNamespace
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium import spaces
+from gymnasium.vector import AutoresetMode, SyncVectorEnv
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from clusterenv import ClusterEnv, ProtocolError
+from clusterenv.launch.launchers import LocalLauncher
+from clusterenv.learner.recycling import Recycle
+from clusterenv.learner.shared_steps import SharedSteps
+from clusterenv.wire.infos import merge_infos, pack_infos
+from clusterenv.wire.protocol import Kind
+from clusterenv.wire.step_region import (
+    DONE,
+    INFO_SLOTS,
+    MESSAGE,
+    StepRegion,
+    attach_rows,
+    check_layout,
+    info_layout,
+    read_infos,
+    write_infos,
+)
+from clusterenv.wire.transport import WAKE_UP
+from tests.conftest import assert_same, pid_alive, wait_until
+from tests.envs import ScalarInfoCartPole, SparseInfoRichEnv, TextObsEnv
+from tests.test_equivalence import MODES, run_lockstep
+from tests.test_first_ready import alone, env_obs, env_row
+
+CARTPOLES = [functools.partial(gym.make, "CartPole-v1")] * 4
+ACTION_KINDS = ["discrete", "box", "multidiscrete", "multibinary", "tuple", "dict"]
+
+
+def step_paths(envs: ClusterEnv) -> list[str]:
+    return [worker["step_path"] for worker in envs.worker_info]
+
+
+# -- which workers -------------------------------------------------------------------------------
+def test_workers_the_learner_starts_on_its_host_step_through_shared_memory():
+    with ClusterEnv(CARTPOLES, num_workers=2) as envs:
+        assert step_paths(envs) == ["shared memory", "shared memory"]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"shared_memory": False},
+        {"procs_per_worker": 2},
+        {"launcher": LocalLauncher(pipes=False)},
+        {"encrypt": True},
+    ],
+    ids=["shared_memory=False", "env processes", "no pipes", "encrypted"],
+)
+def test_other_workers_keep_the_message_path_and_stay_exact(options):
+    with (
+        ClusterEnv(CARTPOLES, num_workers=2, **options) as envs,
+        closing(SyncVectorEnv(CARTPOLES)) as reference,
+    ):
+        assert step_paths(envs) == ["messages", "messages"]
+        run_lockstep(reference, envs, steps=60, seed=3)
+
+
+def test_spaces_without_an_array_form_keep_the_message_path():
+    with ClusterEnv([TextObsEnv] * 2, num_workers=2) as envs:
+        assert step_paths(envs) == ["messages", "messages"]
+
+
+# -- exactness -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES, ids=[m.value for m in MODES])
+@pytest.mark.parametrize("action_kind", ACTION_KINDS)
+def test_steps_through_shared_memory_are_bit_identical_to_sync_vector_env(mode, action_kind):
+    """Dict/Tuple observations of every leaf kind, every action kind, steps with and without infos."""
+    env_fns = [functools.partial(SparseInfoRichEnv, action_kind)] * 5  # uneven: 3 and 2 envs
+    with (
+        ClusterEnv(env_fns, num_workers=2, autoreset_mode=mode) as envs,
+        closing(SyncVectorEnv(env_fns, autoreset_mode=mode)) as reference,
+    ):
+        assert step_paths(envs) == ["shared memory", "shared memory"]
+        episodes = run_lockstep(reference, envs, steps=120, seed=11)
+    assert episodes >= 10, "the run must cross episode boundaries to test autoreset"
+
+
+@pytest.mark.parametrize("mode", MODES, ids=[m.value for m in MODES])
+def test_cartpole_through_shared_memory_is_bit_identical_to_sync_vector_env(mode):
+    with (
+        ClusterEnv(CARTPOLES, num_workers=2, autoreset_mode=mode) as envs,
+        closing(SyncVectorEnv(CARTPOLES, autoreset_mode=mode)) as reference,
+    ):
+        assert run_lockstep(reference, envs, steps=300, seed=2) >= 10
+
+
+def test_step_async_and_step_wait_take_the_same_path():
+    with (
+        ClusterEnv(CARTPOLES, num_workers=2) as envs,
+        closing(SyncVectorEnv(CARTPOLES)) as reference,
+    ):
+        assert_same(reference.reset(seed=4), envs.reset(seed=4))
+        for t in range(40):
+            actions = np.array([t % 2, 1, 0, (t // 3) % 2])
+            envs.step_async(actions)
+            assert_same(reference.step(actions), envs.step_wait())
+
+
+@pytest.mark.parametrize("mode", [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP], ids=lambda m: m.value)
+def test_first_ready_batches_through_shared_memory_are_exact(mode):
+    env_fn = functools.partial(SparseInfoRichEnv, "discrete")
+    num_envs, seed = 6, 9
+    records: list[list] = [[] for _ in range(num_envs)]
+    actions: list[list] = [[] for _ in range(num_envs)]
+    with ClusterEnv([env_fn] * num_envs, num_workers=3, autoreset_mode=mode, batch_size=2) as envs:
+        assert step_paths(envs) == ["shared memory"] * 3
+        envs.async_reset(seed=seed)
+        for round_ in range(45):
+            obs, rewards, terminations, truncations, infos, env_ids = envs.recv()
+            for row, i in enumerate(env_ids):
+                records[i].append(
+                    (
+                        env_obs(obs, row),
+                        float(rewards[row]),
+                        bool(terminations[row]),
+                        bool(truncations[row]),
+                        env_row(infos, row),
+                    )
+                )
+            chosen = np.array([(round_ + int(i)) % 3 for i in env_ids])
+            for row, i in enumerate(env_ids):
+                actions[i].append(int(chosen[row]))
+            envs.send(chosen, env_ids)
+        for _ in range(3):  # what is still in flight: one worker's envs per batch
+            obs, rewards, terminations, truncations, infos, env_ids = envs.recv()
+            for row, i in enumerate(env_ids):
+                records[i].append(
+                    (
+                        env_obs(obs, row),
+                        float(rewards[row]),
+                        bool(terminations[row]),
+                        bool(truncations[row]),
+                        env_row(infos, row),
+                    )
+                )
+    for i in range(num_envs):
+        expected = alone(env_fn, seed + i, actions[i], mode)
+        for t, (got, want) in enumerate(zip(records[i], expected, strict=True)):
+            assert_same(want, got, f"env {i}, step {t}")
+
+
+def test_what_step_returns_does_not_change_when_the_next_step_writes_the_region():
+    with ClusterEnv(CARTPOLES, num_workers=2) as envs:
+        envs.reset(seed=0)
+        first = envs.step(np.array([0, 1, 0, 1]))
+        kept = [np.array(part, copy=True) for part in first[:4]]
+        second = envs.step(np.array([1, 0, 1, 0]))
+        for part, copy in zip(first[:4], kept, strict=True):
+            assert_same(part, copy)
+        assert not np.array_equal(first[0], second[0])
+
+
+def test_copy_false_returns_the_batch_in_the_region_itself():
+    with ClusterEnv(CARTPOLES, num_workers=2, copy=False) as envs:
+        envs.reset(seed=0)
+        first = envs.step(np.array([0, 1, 0, 1]))[0]
+        second = envs.step(np.array([1, 0, 1, 0]))[0]
+        assert first is second  # one buffer, written by the workers at each step
+
+
+# -- faults --------------------------------------------------------------------------------------
+def test_a_killed_worker_is_replaced_and_its_replacement_steps_through_shared_memory():
+    with (
+        ClusterEnv(CARTPOLES, num_workers=2, on_worker_failure="restart") as envs,
+        closing(SyncVectorEnv(CARTPOLES)) as reference,
+    ):
+        assert_same(reference.reset(seed=5)[0], envs.reset(seed=5)[0])
+        for t in range(3):
+            assert_same(reference.step(np.array([t % 2] * 4))[0], envs.step(np.array([t % 2] * 4))[0])
+        victim = envs.worker_info[1]["pid"]
+        envs.step_async(np.array([1, 0, 1, 0]))
+        os.kill(victim, signal.SIGKILL)  # while its step is in flight
+        obs, rewards, terminations, truncations, infos = envs.step_wait()
+        ref_obs, ref_rewards, *_ = reference.step(np.array([1, 0, 1, 0]))
+        assert_same(obs[:2], ref_obs[:2])
+        assert truncations[2:].tolist() == [True, True] and rewards[2:].tolist() == [0.0, 0.0]
+        assert infos["worker_restarted"].tolist() == [False, False, True, True]
+        assert wait_until(lambda: not pid_alive(victim), timeout=5)
+        assert step_paths(envs) == ["shared memory", "shared memory"]
+        assert envs.worker_info[1]["pid"] != victim
+        for t in range(5):  # worker 0's envs go on exactly; the replacement's fresh envs step
+            obs, rewards, *_ = envs.step(np.array([t % 2] * 4))
+            assert_same(obs[:2], reference.step(np.array([t % 2] * 4))[0][:2])
+            assert envs.single_observation_space.contains(obs[3])
+
+
+def test_a_recycled_worker_steps_through_shared_memory_again():
+    with ClusterEnv(CARTPOLES, num_workers=2, recycle=Recycle(after_env_steps=10)) as envs:
+        envs.reset(seed=0)
+        pids = [w["pid"] for w in envs.worker_info]
+        for t in range(8):
+            envs.step(np.array([t % 2] * 4))
+        assert [w["pid"] for w in envs.worker_info] != pids
+        assert step_paths(envs) == ["shared memory", "shared memory"]
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    kill_at=st.integers(min_value=0, max_value=12),
+    victim=st.integers(min_value=0, max_value=1),
+    in_flight=st.booleans(),
+)
+def test_a_worker_killed_at_any_point_cuts_only_its_own_episodes(kill_at, victim, in_flight):
+    """Against SyncVectorEnv: the survivor's envs are exact throughout; the victim's report one cut, then go on."""
+    mine = slice(2 * victim, 2 * victim + 2)
+    theirs = slice(2 - 2 * victim, 4 - 2 * victim)
+    with (
+        ClusterEnv(CARTPOLES, num_workers=2, on_worker_failure="restart") as envs,
+        closing(SyncVectorEnv(CARTPOLES)) as reference,
+    ):
+        assert_same(reference.reset(seed=kill_at)[0], envs.reset(seed=kill_at)[0])
+        cuts = 0
+        for t in range(16):
+            actions = np.array([(t + i) % 2 for i in range(4)])
+            pid = envs.worker_info[victim]["pid"]
+            if t == kill_at and not in_flight:
+                os.kill(pid, signal.SIGKILL)
+                assert wait_until(lambda pid=pid: not pid_alive(pid), timeout=5)
+            envs.step_async(actions)
+            if t == kill_at and in_flight:
+                os.kill(pid, signal.SIGKILL)
+            obs, rewards, terminations, truncations, infos = envs.step_wait()
+            expected = reference.step(actions)
+            for got, want in zip((obs, rewards, terminations, truncations), expected[:4], strict=True):
+                assert_same(got[theirs], want[theirs])
+            if "worker_restarted" in infos:
+                cuts += 1
+                assert infos["_worker_restarted"][mine].all() and not infos["_worker_restarted"][theirs].any()
+                assert truncations[mine].all()
+        assert cuts == 1
+        assert step_paths(envs) == ["shared memory", "shared memory"]
+
+
+# -- the protocol, at the learner's seam ------------------------------------------------------------
+class _Channel:
+    """What SharedSteps needs of a channel: wake sockets that record what was sent."""
+
+    def __init__(self) -> None:
+        self.woken: list[bytes] = []
+        self.passed: list[tuple[int, bytes]] = []
+
+    def can_wake(self, peer):
+        return peer is not None
+
+    def pass_fd(self, fd, to):
+        self.passed.append((fd, to))
+
+    def waker(self, to):
+        return lambda: self.woken.append(to)
+
+
+def _path() -> tuple[SharedSteps, StepRegion, _Channel]:
+    region = StepRegion(spaces.Box(-1, 1, (3,), np.float32), spaces.Discrete(2), [slice(0, 2), slice(2, 4)])
+    members = SimpleNamespace(identities={0: b"w0", 1: b"w1"}, serving={0: 0, 1: 1})
+    channel = _Channel()
+    path = SharedSteps(region, channel, members, timeout=1.0)  # type: ignore[arg-type]
+    for w in (0, 1):
+        offer = path.offer(w)
+        assert offer is not None and offer.kind is Kind.SHARE_STEP
+        path.joined(w, SimpleNamespace(kind=Kind.VALUE, meta={"attached": True}))  # type: ignore[arg-type]
+    return path, region, channel
+
+
+def _reply(region: StepRegion, worker: int, counter: int, status: int) -> None:
+    region.workers[worker].reply[1] = status
+    region.workers[worker].reply[0] = counter
+
+
+def test_a_reply_is_read_only_when_its_counter_is_the_commands_and_its_status_is_known():
+    path, region, channel = _path()
+    path.send(0, [np.array([1, 0])], call=7)
+    assert channel.woken == [b"w0"] and region.workers[0].actions[0].tolist() == [1, 0]
+    counter = int(region.workers[0].command[0])
+    _reply(region, 0, counter, DONE)
+    reply = path.woken(0)
+    assert reply is not None and reply.kind is Kind.RESULT and reply.meta == {"seq": 7}
+
+
+@pytest.mark.parametrize(
+    "counter_offset, status, what",
+    [(-1, DONE, "stale counter"), (1, DONE, "counter ahead"), (0, 0, "cleared status"), (0, 99, "unknown status")],
+)
+def test_a_stale_torn_or_unknown_reply_is_a_protocol_error_naming_the_worker(counter_offset, status, what):
+    path, region, _ = _path()
+    path.send(1, [np.array([0, 1])], call=3)
+    _reply(region, 1, int(region.workers[1].command[0]) + counter_offset, status)
+    with pytest.raises(ProtocolError, match="Worker 1"):
+        path.woken(1)
+
+
+def test_a_wake_up_with_no_step_in_flight_is_a_protocol_error():
+    path, region, _ = _path()
+    _reply(region, 0, 0, DONE)
+    with pytest.raises(ProtocolError, match="Worker 0 .*no step in flight"):
+        path.woken(0)
+
+
+def test_a_reply_message_and_its_wake_up_may_be_read_in_either_order():
+    path, region, _ = _path()
+    for message_first in (True, False, True, True):
+        path.send(0, [np.array([1, 1])], call=5)
+        counter = int(region.workers[0].command[0])
+        _reply(region, 0, counter, MESSAGE)
+        message = SimpleNamespace(kind=Kind.RESULT, meta={"seq": 5, "step": counter}, blobs=[b"infos"])
+        if message_first:
+            assert path.completed(0, message).blobs == [b"infos"]  # type: ignore[arg-type]
+        else:
+            assert path.woken(0) is None  # the message is the reply
+            assert path.completed(0, message).blobs == [b"infos"]  # type: ignore[arg-type]
+    # The wake-ups of the steps whose messages came first are still to come, and mean nothing more.
+    assert [path.woken(0) for _ in range(3)] == [None, None, None]
+    with pytest.raises(ProtocolError):
+        path.woken(0)
+    assert WAKE_UP.kind is Kind.WAKE_UP
+
+
+def test_a_replacement_starts_from_a_cleared_slot():
+    path, region, channel = _path()
+    path.send(0, [np.array([1, 1])], call=2)
+    _reply(region, 0, int(region.workers[0].command[0]), DONE)
+    assert path.offer(0) is not None  # a new process for worker 0
+    assert region.workers[0].command.tolist() == [0, 0] and region.workers[0].reply.tolist() == [0, 0]
+    assert not path.in_flight(0) and 0 not in path.on_path
+    assert channel.passed[-1] == (region.fd, b"w0")
+
+
+def test_a_worker_maps_the_region_only_if_its_own_spaces_give_the_same_layout():
+    path, region, _ = _path()
+    meta = region.meta(1)
+    obs, act = region.observation_space, region.action_space
+    assert attach_rows(os.dup(region.fd), meta, obs, act) is not None
+    assert attach_rows(os.dup(region.fd), meta, spaces.Box(-1, 1, (4,), np.float32), act) is None
+    assert attach_rows(os.dup(region.fd), meta, obs, spaces.Discrete(3, start=1)) is not None  # same int64 leaf
+    assert attach_rows(os.dup(region.fd), {**meta, "token": "00" * 16}, obs, act) is None
+    assert attach_rows(os.dup(region.fd), {**meta, "stop": 9}, obs, act) is None
+
+
+def test_the_region_is_an_anonymous_file_that_nothing_can_leave_behind():
+    _, region, _ = _path()
+    assert os.readlink(f"/proc/self/fd/{region.fd}").startswith("/memfd:clusterenv-steps")
+    assert os.fstat(region.fd).st_nlink == 0
+
+
+# -- infos in the region ---------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES, ids=[m.value for m in MODES])
+def test_infos_every_env_reports_at_every_step_are_exact_through_the_region(mode):
+    env_fns = [ScalarInfoCartPole] * 6
+    with (
+        ClusterEnv(env_fns, num_workers=2, autoreset_mode=mode) as envs,
+        closing(SyncVectorEnv(env_fns, autoreset_mode=mode)) as reference,
+    ):
+        assert run_lockstep(reference, envs, steps=200, seed=8) >= 10
+
+
+def test_packed_infos_come_back_from_the_info_rows_exactly():
+    records = [
+        (i, {"x": float(i) / 3, "n": i, "f": np.float32(i), "ok": i % 2 == 0, "l": np.int64(-i)}) for i in range(3)
+    ]
+    payload = pack_infos(records, 3, min_envs=1)
+    layout = info_layout(payload)
+    assert layout is not None and check_layout([list(key) for key in layout]) == layout
+    rows = np.zeros((3, INFO_SLOTS * 8), np.uint8)
+    write_infos(rows, payload)  # type: ignore[arg-type]
+    assert read_infos(rows, layout) == payload
+    assert_same(merge_infos({}, read_infos(rows, layout), 3, 0), merge_infos({}, list(records), 3, 0))
+
+
+@pytest.mark.parametrize(
+    "records",
+    [
+        [(0, {"v": np.zeros(2)}), (1, {"v": np.zeros(2)})],  # an array
+        [(0, {"s": "text"}), (1, {"s": "text"})],  # an object
+        [(0, {"x": 1.0}), (1, {})],  # not every env
+        [(0, {f"k{j}": 1.0 for j in range(INFO_SLOTS + 1)}), (1, {f"k{j}": 1.0 for j in range(INFO_SLOTS + 1)})],
+        [(0, {"c": np.complex128(1j)}), (1, {"c": np.complex128(1j)})],  # 16 bytes
+    ],
+    ids=["array", "object", "not every env", "too many keys", "wider than a slot"],
+)
+def test_infos_that_fit_no_layout_travel_as_messages(records):
+    assert info_layout(pack_infos(records, 2, min_envs=1)) is None
+
+
+@pytest.mark.parametrize("layout", [[["x", "object", "d"]], [["x", "float", "O"]], [["x", "float", "c16"]], "x"])
+def test_a_layout_a_worker_names_is_checked(layout):
+    with pytest.raises(ValueError, match="Not an info layout"):
+        check_layout(layout)
