@@ -6,9 +6,11 @@ byte each way (``clusterenv.wire.step_region``); everything else keeps the messa
 
 from __future__ import annotations
 
+import _thread
 import functools
 import os
 import signal
+import threading
 from contextlib import closing
 from types import SimpleNamespace
 
@@ -16,6 +18,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 from gymnasium import spaces
+from gymnasium.error import AlreadyPendingCallError
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -39,7 +42,7 @@ from clusterenv.wire.step_region import (
 )
 from clusterenv.wire.transport import WAKE_UP
 from tests.conftest import assert_same, pid_alive, wait_until
-from tests.envs import ScalarInfoCartPole, SparseInfoRichEnv, TextObsEnv
+from tests.envs import ScalarInfoCartPole, SlowCartPole, SparseInfoRichEnv, TextObsEnv
 from tests.test_equivalence import MODES, run_lockstep
 from tests.test_first_ready import alone, env_obs, env_row
 
@@ -177,6 +180,24 @@ def test_copy_false_returns_the_batch_in_the_region_itself():
         first = envs.step(np.array([0, 1, 0, 1]))[0]
         second = envs.step(np.array([1, 0, 1, 0]))[0]
         assert first is second  # one buffer, written by the workers at each step
+
+
+def test_a_step_interrupted_by_ctrl_c_is_finished_by_step_wait():
+    slow = [functools.partial(SlowCartPole, 0.3)] * 2
+    with (
+        ClusterEnv(slow, num_workers=2) as envs,
+        closing(SyncVectorEnv(slow)) as reference,
+    ):
+        assert_same(reference.reset(seed=1), envs.reset(seed=1))
+        timer = threading.Timer(0.1, _thread.interrupt_main)
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            envs.step(np.array([0, 1]))
+        timer.join()
+        with pytest.raises(AlreadyPendingCallError):
+            envs.reset()
+        assert_same(reference.step(np.array([0, 1])), envs.step_wait())
+        assert_same(reference.step(np.array([1, 1])), envs.step(np.array([1, 1])))
 
 
 # -- faults --------------------------------------------------------------------------------------

@@ -136,7 +136,8 @@ class Membership:
             if received is None:
                 continue
             sender, msg = received
-            current = msg.meta.get("seq") == seq or msg.kind is Kind.WAKE_UP  # a wake-up: the pool tells which step
+            # A reply of the shared step path, of any call: the pool's bookkeeping must see every one.
+            current = msg.meta.get("seq") == seq or _shared_step_reply(msg)
             if sender in self.peers and current and msg.kind is not Kind.HELLO:
                 self._defer(received)  # a streaming call goes on while one worker is replaced
                 continue
@@ -179,6 +180,9 @@ class Membership:
                         return
                     continue
             sender, msg = received
+            if sender in self.peers and _shared_step_reply(msg):
+                self._defer(received)  # the pool's shared step bookkeeping must see every one
+                continue
             if msg.kind is not Kind.HELLO or sender is None or sender in self.peers:
                 continue  # a late reply to an earlier call, or a stray
             hello = meta_of(msg, HelloMeta)
@@ -393,3 +397,8 @@ def _percentiles(latencies: list[float]) -> dict[str, float] | None:
     values = np.fromiter(latencies, dtype=np.float64) * 1000.0
     p50, p95 = np.percentile(values, [50, 95]).tolist()
     return {"p50": p50, "p95": p95, "max": float(values.max()), "replies": len(values)}
+
+
+def _shared_step_reply(msg: Message) -> bool:
+    """Whether ``msg`` is a reply of the shared step path: a wake-up, or a RESULT naming its step."""
+    return msg.kind is Kind.WAKE_UP or (msg.kind is Kind.RESULT and "step" in msg.meta)

@@ -238,12 +238,17 @@ class WorkerPool:
         that runs before any other). If none joined, the pool has no step path.
         """
         path = SharedSteps(region, self._channel, self.members, timeout)
-        offers = {w: offer for w in range(self.num_workers) if (offer := path.offer(w)) is not None}
-        if offers:
-            self.new_call()
-            self.send_each(Kind.SHARE_STEP, {w: (offer.meta, (), ()) for w, offer in offers.items()}, OnLoss.RAISE)
-            for worker_id, reply in self.gather(offers, "mapping the shared step region", timeout).items():
-                path.joined(worker_id, reply)
+        try:
+            offers = {w: offer for w in range(self.num_workers) if (offer := path.offer(w)) is not None}
+            if offers:
+                self.new_call()
+                commands = {w: (offer.meta, (), ()) for w, offer in offers.items()}
+                self.send_each(Kind.SHARE_STEP, commands, OnLoss.RAISE)
+                for worker_id, reply in self.gather(offers, "mapping the shared step region", timeout).items():
+                    path.joined(worker_id, reply)
+        except BaseException:
+            path.close()
+            raise
         if path.on_path:
             self.step_path = path
         else:  # none could (env processes, say): the region goes

@@ -398,17 +398,14 @@ class ClusterEnv(VectorEnv):
         if self._needs_reset:
             raise ResetNeeded("Cannot call `step` before `reset`: the environments have not been reset yet.")
         leaves = check_actions(actions, self.single_action_space, self._action_specs, self.num_envs)
-        self._state = AsyncState.WAITING_STEP
+        # As step_async leaves it: if the wait is interrupted (Ctrl-C), step_wait() can finish it.
+        self._state, self._pending = AsyncState.WAITING_STEP, list(range(self.num_workers))
         if not self._pool.takes_shared(leaves):  # actions of another dtype reach the envs as they are: messages
-            stepping = list(range(self.num_workers))
-            commands = {w: (None, [leaf[self._slices[w]] for leaf in leaves], ()) for w in stepping}
+            commands = {w: (None, [leaf[self._slices[w]] for leaf in leaves], ()) for w in self._pending}
             self._pool.send_each(Kind.STEP, commands, OnLoss.INTERRUPT)
-            self._pending = stepping
             return self.step_wait()
-        try:
-            replies = self._pool.step_shared(leaves, "stepping", self.timeout)
-        finally:
-            self._state = AsyncState.DEFAULT
+        replies = self._pool.step_shared(leaves, "stepping", self.timeout)
+        self._state = AsyncState.DEFAULT
         return self._step_result(replies)
 
     def step_async(self, actions: Any) -> None:

@@ -285,7 +285,10 @@ class LearnerCarrier:
 
     def recv(self, timeout_ms: int, routed: bool) -> Received | None:
         """The next message from a pipe or from the socket (the socket alone once every pipe is gone)."""
-        return self.pipes.recv(timeout_ms) if self.pipes else self.socket.recv(timeout_ms, routed)
+        if self.pipes:
+            return self.pipes.recv(timeout_ms)
+        self.pipes.check_socket = True  # receiving from the socket directly may take its descriptor's signal
+        return self.socket.recv(timeout_ms, routed)
 
     def covers_arrays(self, peer: bytes | None) -> bool:
         """As the socket does, except for peers on a pipe."""

@@ -347,6 +347,7 @@ class LearnerPipes:
     def add(self, sock: socket.socket, wake: socket.socket | None = None) -> None:
         """Take the learner's end of a pipe to a worker about to start (and of its wake socket, if it has one)."""
         pipe = Pipe(sock, self.max_record_bytes, blocking=False)
+        self.check_socket = True  # the socket may have been read without this poll meanwhile
         self._by_fd[pipe.fd] = pipe
         self._poller.register(pipe.fd, select.POLLIN)
         if wake is not None:
@@ -515,7 +516,7 @@ class LearnerPipes:
                 return woken
             except OSError:
                 data = b""
-            if len(data) != 1:  # the end of the stream, or more than the one reply in flight
+            if data != _WAKE:  # the end of the stream, or more than the one reply in flight
                 self._requeue(identity, data)
                 return woken
             woken.append(identity)

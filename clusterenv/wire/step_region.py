@@ -40,6 +40,7 @@ import math
 import mmap
 import os
 import secrets
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -186,13 +187,10 @@ class StepRegion:
         self.num_envs = slices[-1].stop
         self._fields, self.size = region_layout(observation_space, action_space, self.num_envs, len(slices))
         self.fd = os.memfd_create("clusterenv-steps", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(self.fd, self.size)
-            # The views keep the mapping alive as long as any array (a user's copy=False batch) refers to it.
-            self._buffer = mmap.mmap(self.fd, self.size)
-        except BaseException:
-            os.close(self.fd)
-            raise
+        self._close_fd = weakref.finalize(self, os.close, self.fd)  # also if the pool never closes it
+        os.ftruncate(self.fd, self.size)
+        # The views keep the mapping alive as long as any array (a user's copy=False batch) refers to it.
+        self._buffer = mmap.mmap(self.fd, self.size)
         self.token = secrets.token_bytes(_TOKEN_BYTES)
         self._buffer[:_TOKEN_BYTES] = self.token
         batch = _batch(self._buffer, self._fields)
@@ -220,9 +218,8 @@ class StepRegion:
 
     def close(self) -> None:
         """Close the file; the mapping lives on while views of it do."""
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        self._close_fd()
+        self.fd = -1
 
 
 def attach_rows(

@@ -1,0 +1,118 @@
+"""Where the learner's CPU per step goes on the shared step path: the signal alone, the pool, the whole ``step``.
+
+One ClusterEnv (16 null envs or CartPoles on 2 workers) is stepped three ways in the same
+process, against the same workers, alternated for ``--rounds`` rounds:
+
+- ``signal``: the actions written into the region and one wake-up byte per worker, then a
+  blocking read of each reply byte (what any design of this shape pays: the syscalls);
+- ``pool``: ``WorkerPool.step_shared`` (the above plus the pool's bookkeeping: the commands
+  kept for recovery, reply checks, latencies, the receive loop);
+- ``step``: ``ClusterEnv.step`` (the above plus the VectorEnv's: validating the actions,
+  call state, collecting the batch, the copies it returns).
+
+It reaches into private attributes to time the layers apart: a benchmark, not an API.
+
+    python benchmarks/shared_step_split.py
+
+Writes ``results/shared_step_split.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import tyro
+from report import command_line  # the sibling module
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_envs import NullEnv  # noqa: E402
+
+from clusterenv import ClusterEnv  # noqa: E402
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+@dataclasses.dataclass
+class Args:
+    rounds: int = 5
+    steps: int = 3000
+
+
+def measure(name: str, factory: Callable[[], gym.Env], args: Args) -> str:
+    """The table row of one env: the three layers' learner CPU per step, alternated."""
+    with ClusterEnv([factory] * 16, num_workers=2) as envs:
+        pool = envs._pool
+        path = pool.step_path
+        assert path is not None and path.everyone
+        pipes = pool._channel.pipes
+        wake_fds = [pipes._wakes[pipes._by_identity[pool.members.identities[w]]].fd for w in range(2)]
+        actions = np.zeros(16, np.int64)
+        envs.reset(seed=0)
+        for _ in range(200):
+            envs.step(actions)
+
+        def signal(steps: int) -> None:
+            for _ in range(steps):
+                path.send_all([actions], pool.seq)
+                for fd in wake_fds:
+                    while True:  # a blocking read, given up every 50 ms (SO_RCVTIMEO): read again
+                        try:
+                            os.read(fd, 64)
+                            break
+                        except BlockingIOError:
+                            continue
+                for w in range(len(wake_fds)):  # after every wake-up was read: the pool's receive reads them too
+                    if path.woken(w) is None:  # its reply is a message (a usage report, once a second)
+                        pool._await({w}, {}, "stepping", 10.0)
+
+        def pooled(steps: int) -> None:
+            for _ in range(steps):
+                pool.step_shared([actions], "stepping", 10.0)
+
+        def stepped(steps: int) -> None:
+            for _ in range(steps):
+                envs.step(actions)
+
+        cpu: dict[str, list[float]] = {"signal": [], "pool": [], "step": []}
+        wall: list[float] = []
+        for _ in range(args.rounds):
+            for label, run in (("signal", signal), ("pool", pooled), ("step", stepped)):
+                started, cpu_started = time.perf_counter(), time.process_time()
+                run(args.steps)
+                cpu[label].append((time.process_time() - cpu_started) / args.steps * 1e6)
+                if label == "step":
+                    wall.append((time.perf_counter() - started) / args.steps * 1e6)
+    medians = {label: statistics.median(values) for label, values in cpu.items()}
+    return (
+        f"| {name} | {medians['signal']:.1f} | {medians['pool']:.1f} | {medians['step']:.1f} "
+        f"| {statistics.median(wall):.1f} |"
+    )
+
+
+def main(args: Args) -> None:
+    lines = [
+        f"`{command_line(__file__)}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} cores: "
+        f"the learner's CPU per batch step (µs), 16 envs on 2 workers, medians of {args.rounds} alternated rounds "
+        f"of {args.steps:,} steps.",
+        "",
+        "| env | signal only | + the pool | + ClusterEnv.step | wall per step of the whole `step` (µs) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, factory in (("null env", NullEnv), ("CartPole-v1", lambda: gym.make("CartPole-v1"))):
+        lines.append(measure(name, factory, args))
+    text = "\n".join(lines) + "\n"
+    print(text)
+    RESULTS_DIR.mkdir(exist_ok=True)
+    (RESULTS_DIR / "shared_step_split.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
