@@ -193,3 +193,12 @@ def test_slices_of_few_envs_travel_as_records() -> None:
     records = atari_infos(0, PACK_MIN_ENVS - 1)
     assert pack_infos(records, PACK_MIN_ENVS - 1) == records
     assert isinstance(pack_infos(atari_infos(0, PACK_MIN_ENVS), PACK_MIN_ENVS), tuple)
+
+
+def test_int64_infos_pack_even_after_longlong_ones_were_seen():
+    """``q`` and ``l`` dtypes are equal int64s; only the canonical one packs, whichever was seen first."""
+    longlong = [(i, {"n": np.array(i, dtype=np.longlong)[()]}) for i in range(4)]
+    int64 = [(i, {"n": np.int64(i)}) for i in range(4)]
+    assert np.dtype(np.longlong) == np.dtype(np.int64)
+    pack_infos(longlong, 4)
+    assert isinstance(pack_infos(int64, 4), tuple)  # packed in columns, not sent as records

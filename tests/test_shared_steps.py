@@ -11,6 +11,7 @@ import functools
 import os
 import signal
 import threading
+import time
 from contextlib import closing
 from types import SimpleNamespace
 
@@ -25,10 +26,14 @@ from hypothesis import strategies as st
 
 from clusterenv import ClusterEnv, ProtocolError
 from clusterenv.launch.launchers import LocalLauncher
+from clusterenv.learner.membership import Membership
 from clusterenv.learner.recycling import Recycle
 from clusterenv.learner.shared_steps import SharedSteps
+from clusterenv.wire.carriers import PipeCarrier
 from clusterenv.wire.infos import merge_infos, pack_infos
-from clusterenv.wire.protocol import Kind
+from clusterenv.wire.liveness import Heartbeat
+from clusterenv.wire.pipes import WOKEN, Pipe, WakeSocket, pipe_pair, wake_pair
+from clusterenv.wire.protocol import Kind, Message
 from clusterenv.wire.step_region import (
     DONE,
     INFO_SLOTS,
@@ -120,6 +125,22 @@ def test_step_async_and_step_wait_take_the_same_path():
             assert_same(reference.step(actions), envs.step_wait())
 
 
+def record_batch(records: list[list], batch: tuple) -> np.ndarray:
+    """Append each row of a first-ready batch to its env's records; the batch's env ids."""
+    obs, rewards, terminations, truncations, infos, env_ids = batch
+    for row, i in enumerate(env_ids):
+        records[i].append(
+            (
+                env_obs(obs, row),
+                float(rewards[row]),
+                bool(terminations[row]),
+                bool(truncations[row]),
+                env_row(infos, row),
+            )
+        )
+    return env_ids
+
+
 @pytest.mark.parametrize("mode", [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP], ids=lambda m: m.value)
 def test_first_ready_batches_through_shared_memory_are_exact(mode):
     env_fn = functools.partial(SparseInfoRichEnv, "discrete")
@@ -130,33 +151,13 @@ def test_first_ready_batches_through_shared_memory_are_exact(mode):
         assert step_paths(envs) == ["shared memory"] * 3
         envs.async_reset(seed=seed)
         for round_ in range(45):
-            obs, rewards, terminations, truncations, infos, env_ids = envs.recv()
-            for row, i in enumerate(env_ids):
-                records[i].append(
-                    (
-                        env_obs(obs, row),
-                        float(rewards[row]),
-                        bool(terminations[row]),
-                        bool(truncations[row]),
-                        env_row(infos, row),
-                    )
-                )
+            env_ids = record_batch(records, envs.recv())
             chosen = np.array([(round_ + int(i)) % 3 for i in env_ids])
             for row, i in enumerate(env_ids):
                 actions[i].append(int(chosen[row]))
             envs.send(chosen, env_ids)
         for _ in range(3):  # what is still in flight: one worker's envs per batch
-            obs, rewards, terminations, truncations, infos, env_ids = envs.recv()
-            for row, i in enumerate(env_ids):
-                records[i].append(
-                    (
-                        env_obs(obs, row),
-                        float(rewards[row]),
-                        bool(terminations[row]),
-                        bool(truncations[row]),
-                        env_row(infos, row),
-                    )
-                )
+            record_batch(records, envs.recv())
     for i in range(num_envs):
         expected = alone(env_fn, seed + i, actions[i], mode)
         for t, (got, want) in enumerate(zip(records[i], expected, strict=True)):
@@ -426,3 +427,41 @@ def test_infos_that_fit_no_layout_travel_as_messages(records):
 def test_a_layout_a_worker_names_is_checked(layout):
     with pytest.raises(ValueError, match="Not an info layout"):
         check_layout(layout)
+
+
+def test_admitting_workers_keeps_the_shared_step_replies_it_reads_for_the_pool():
+    """``rebalance()`` reads the channel for joins: a trailing wake-up or step message read there is the pool's."""
+    wake_up, message = (b"w0", WAKE_UP), (b"w0", Message(Kind.RESULT, {"seq": 1, "step": 4}))
+    stray = (b"w0", Message(Kind.VALUE, {"seq": 1}))
+    arrivals = [wake_up, message, stray]
+    channel = SimpleNamespace(recv=lambda timeout, routed: arrivals.pop(0) if arrivals else None)
+    deferred: list = []
+    members = Membership(
+        1,
+        [1],
+        launcher=SimpleNamespace(),  # type: ignore[arg-type]
+        channel=channel,  # type: ignore[arg-type]
+        monitor=SimpleNamespace(),  # type: ignore[arg-type]
+        heartbeat=Heartbeat(),
+        defer=deferred.append,
+    )
+    members.peers[b"w0"] = 0
+    members.admit(wait=0.01, seq=1)
+    assert deferred == [wake_up, message]
+
+
+def test_a_worker_takes_a_step_before_a_record_sent_after_it():
+    """A CLOSE sent while a step is in flight comes after that step, as on one ordered channel."""
+    learner, worker = pipe_pair()
+    learner_wake, worker_wake = wake_pair()
+    carrier = PipeCarrier(Pipe(worker, 1 << 20, blocking=True), WakeSocket(worker_wake, blocking=True, takes_fds=True))
+    try:
+        WakeSocket(learner_wake, blocking=False, takes_fds=False).wake()
+        Pipe(learner, 1 << 20, blocking=False).write([b"close"])
+        time.sleep(0.05)  # both have arrived before the worker looks
+        assert carrier.recv(1000, routed=False) == (None, WOKEN)
+        assert [bytes(frame) for frame in carrier.recv(1000, routed=False)[1]] == [b"close"]
+    finally:
+        carrier.close(0)
+        learner.close()
+        learner_wake.close()

@@ -199,11 +199,13 @@ class PipeCarrier:
             return None if record is None else (None, record)
         deadline = None if timeout_ms < 0 else time.monotonic() + timeout_ms / 1000
         while True:
+            # Wake-ups first: the learner sends a record while a step is in flight (a CLOSE), never
+            # a step while a record waits for its reply, so a wake-up read is always the older.
+            if waker.take():
+                return None, WOKEN
             record = self.pipe.buffered()
             if record is not None:
                 return None, record
-            if waker.take():
-                return None, WOKEN
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             readable = select.select([self.pipe.fd, waker.fd], [], [], remaining)[0]
             if waker.fd in readable:

@@ -87,14 +87,20 @@ class _NotUniform(Exception):
     """The slice's infos cannot be packed; its records are sent instead."""
 
 
-@functools.lru_cache(maxsize=256)
 def _packable_dtype(dtype: np.dtype) -> bool:
     """Numbers whose dtype travels as its one-letter code and comes back the very same dtype.
 
     Only canonical dtypes: a ``longlong`` (``"q"``) would be packed as itself but is an
     ``int64`` (``"l"``) once pickled, so it travels as a record, pickled like any value.
     """
-    return dtype.kind in "biufc" and np.dtype(dtype.char) is dtype and np.dtype(dtype.str) is dtype
+    # The cache is keyed by what tells equal dtypes apart: ``q`` and ``l`` are equal (and hash
+    # alike), and keyed by the dtype alone, whichever came first would answer for both.
+    return _packable(dtype, dtype.char, dtype.str, dtype.metadata is None)
+
+
+@functools.lru_cache(maxsize=256)
+def _packable(dtype: np.dtype, char: str, code: str, plain: bool) -> bool:
+    return plain and dtype.kind in "biufc" and np.dtype(char) is dtype and np.dtype(code) is dtype
 
 
 def _signature(key: str, value: Any) -> tuple[Any, ...]:
