@@ -769,7 +769,7 @@ class ClusterEnv(VectorEnv):
         """What each worker process does and uses, one dict per process.
 
         Keys: ``worker_id, host, pid, state, serves, env_ids, lost_because, silent_s, latency_ms,
-        env_step_ms, cpu_s, rss_mb``.
+        env_step_ms, cpu_s, rss_mb, step_path`` (``"shared memory"`` or ``"messages"``).
 
         Each field is explained in docs/guides/fault-tolerance.md ("Watching the workers"): where its
         envs are, whether it is alive, how fast it replies, and what CPU and memory it uses.
