@@ -87,20 +87,27 @@ class _NotUniform(Exception):
     """The slice's infos cannot be packed; its records are sent instead."""
 
 
+# The answers of _packable_dtype by the dtype object's id, with the object itself (so that its id is
+# not reused while cached). Not an lru_cache: that is keyed by equality, and equal dtypes differ
+# here (a ``longlong`` equals an ``int64``): whichever came first would answer for both.
+_PACKABLE: dict[int, tuple[np.dtype, bool]] = {}
+_PACKABLE_MAX = 256
+
+
 def _packable_dtype(dtype: np.dtype) -> bool:
     """Numbers whose dtype travels as its one-letter code and comes back the very same dtype.
 
     Only canonical dtypes: a ``longlong`` (``"q"``) would be packed as itself but is an
     ``int64`` (``"l"``) once pickled, so it travels as a record, pickled like any value.
     """
-    # The cache is keyed by what tells equal dtypes apart: ``q`` and ``l`` are equal (and hash
-    # alike), and keyed by the dtype alone, whichever came first would answer for both.
-    return _packable(dtype, dtype.char, dtype.str, dtype.metadata is None)
-
-
-@functools.lru_cache(maxsize=256)
-def _packable(dtype: np.dtype, char: str, code: str, plain: bool) -> bool:
-    return plain and dtype.kind in "biufc" and np.dtype(char) is dtype and np.dtype(code) is dtype
+    cached = _PACKABLE.get(id(dtype))
+    if cached is not None and cached[0] is dtype:
+        return cached[1]
+    packable = dtype.kind in "biufc" and np.dtype(dtype.char) is dtype and np.dtype(dtype.str) is dtype
+    if len(_PACKABLE) >= _PACKABLE_MAX:
+        _PACKABLE.clear()
+    _PACKABLE[id(dtype)] = (dtype, packable)
+    return packable
 
 
 def _signature(key: str, value: Any) -> tuple[Any, ...]:
