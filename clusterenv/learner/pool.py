@@ -556,7 +556,7 @@ class WorkerPool:
         predecessor's loss was seen), and raises a worker's ERROR.
         """
         for _ in range(_MAX_DROPS_PER_WAIT):
-            received = self._next_received(wait)
+            received = self._unread.popleft() if self._unread else self._channel.recv(wait, routed=True)
             if received is None:
                 return None
             wait = 0.0
@@ -615,10 +615,6 @@ class WorkerPool:
             if msg is not None and msg.meta["seq"] == self.seq:  # else its message follows, or an earlier call's
                 self._note_reply(worker_id, msg)
                 replies[worker_id] = msg
-
-    def _next_received(self, wait: float) -> Received | None:
-        """The next message to read: those kept unread first, then the channel's."""
-        return self._unread.popleft() if self._unread else self._channel.recv(wait, routed=True)
 
     def _shared_reply(self, worker_id: int, msg: Message) -> Message | None:
         """The RESULT a shared step path reply stands for (``None``: a message follows); fatal if it answers nothing."""

@@ -128,6 +128,11 @@ class SharedSteps:
         rows = self.region.workers[worker_id]
         for row, action in zip(rows.actions, actions, strict=True):
             row[...] = action
+        self._command(worker_id, call)
+
+    def _command(self, worker_id: int, call: int) -> None:
+        """Worker ``worker_id``'s actions are in its rows: a fresh counter, the call, and the wake-up."""
+        rows = self.region.workers[worker_id]
         counter = self._counters[worker_id] = self._counters[worker_id] + 1
         rows.command[1] = call
         rows.command[0] = counter
@@ -158,14 +163,9 @@ class SharedSteps:
         for batch, action in zip(self.region.actions, actions, strict=True):
             batch[...] = action
         unreachable = []
-        in_flight, counters = self._in_flight, self._counters
-        for worker_id, rows in enumerate(self.region.workers):
-            counter = counters[worker_id] = counters[worker_id] + 1
-            rows.command[1] = call
-            rows.command[0] = counter
-            in_flight[worker_id] = (counter, call)
+        for worker_id in range(len(self.region.workers)):
             try:
-                self._wakers[worker_id]()
+                self._command(worker_id, call)
             except zmq.ZMQError:
                 unreachable.append(worker_id)
         return unreachable
@@ -178,8 +178,8 @@ class SharedSteps:
         """The RESULT a wake-up from worker ``worker_id`` stands for; ``None``: its reply is a message, sent before.
 
         Its rewards and flags are views of the worker's rows, its observations already in the
-        batch. Raises ``ProtocolError`` naming the worker unless the reply's counter is the
-        command's and its status is one of the two there are.
+        batch, and its infos (status ``INFOS``) read from its info rows. Raises ``ProtocolError``
+        naming the worker unless the reply's counter is the command's and its status is known.
         """
         if self._wake_ups_due[worker_id]:  # the end of a step whose reply message came first
             self._wake_ups_due[worker_id] -= 1

@@ -401,8 +401,7 @@ class ClusterEnv(VectorEnv):
         # As step_async leaves it: if the wait is interrupted (Ctrl-C), step_wait() can finish it.
         self._state, self._pending = AsyncState.WAITING_STEP, list(range(self.num_workers))
         if not self._pool.takes_shared(leaves):  # actions of another dtype reach the envs as they are: messages
-            commands = {w: (None, [leaf[self._slices[w]] for leaf in leaves], ()) for w in self._pending}
-            self._pool.send_each(Kind.STEP, commands, OnLoss.INTERRUPT)
+            self._pool.send_each(Kind.STEP, self._array_commands(leaves, self._pending), OnLoss.INTERRUPT)
             return self.step_wait()
         replies = self._pool.step_shared(leaves, "stepping", self.timeout)
         self._state = AsyncState.DEFAULT
@@ -429,10 +428,14 @@ class ClusterEnv(VectorEnv):
             }
         else:
             leaves = check_actions(actions, self.single_action_space, self._action_specs, self.num_envs)
-            commands = {w: (None, [leaf[self._slices[w]] for leaf in leaves], ()) for w in stepping}
+            commands = self._array_commands(leaves, stepping)
         self._pool.send_each(Kind.STEP, commands, OnLoss.INTERRUPT)  # the cut episodes are reported as truncated
         self._pending = stepping
         self._state = AsyncState.WAITING_STEP
+
+    def _array_commands(self, leaves: list[np.ndarray], workers: list[int]) -> dict[int, Command]:
+        """Each worker's STEP: its slice of the checked action leaves."""
+        return {w: (None, [leaf[self._slices[w]] for leaf in leaves], ()) for w in workers}
 
     def step_wait(self, timeout: float | None = None) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
         """Wait for the results of a ``step_async``.

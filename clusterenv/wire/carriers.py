@@ -317,7 +317,7 @@ class LearnerCarrier:
         """Send a wake-up byte to the worker process ``to``."""
         if to is None:
             raise _no_wake(to)
-        self.pipes.wake(to)
+        self.pipes.waker(to)()
 
     def waker(self, to: bytes) -> Callable[[], None]:
         """A function that wakes the worker process ``to`` (as :meth:`wake`), for the shared step path's every step."""

@@ -83,9 +83,11 @@ _FD = b"f"
 class WakeSocket:
     """One end of a wake socket: single bytes that say "your turn" on the shared step path, and the region's file.
 
-    The learner's end never blocks (a byte always fits: at most one is in flight each way);
-    a worker's end waits in :meth:`PipeCarrier.recv <clusterenv.wire.carriers.PipeCarrier.recv>`
-    together with its pipe. Bytes read are counted, so that two wake-ups read at once are two.
+    The learner reads its end only where a byte has arrived, or in a read bounded by
+    ``WAKE_READ_TIMEOUT_S`` (:meth:`LearnerPipes.await_wake_ups`), and a byte always fits: at most
+    one is in flight each way. A worker's end waits in
+    :meth:`PipeCarrier.recv <clusterenv.wire.carriers.PipeCarrier.recv>` together with its pipe.
+    Bytes read are counted, so that two wake-ups read at once are two.
     """
 
     def __init__(self, sock: socket.socket, *, blocking: bool, takes_fds: bool) -> None:
@@ -363,36 +365,31 @@ class LearnerPipes:
         pipe = self._by_identity.get(identity)  # type: ignore[call-overload]
         return pipe is not None and pipe in self._wakes and not self._wakes[pipe].closed
 
-    def wake(self, identity: bytes) -> None:
-        """Send a wake-up byte to the worker process ``identity``; ``zmq.ZMQError(EHOSTUNREACH)`` if it is gone."""
-        self._on_wake(identity, WakeSocket.wake)
-
     def waker(self, identity: bytes) -> Callable[[], None]:
-        """A function that does what ``wake(identity)`` does, for the process that has ``identity`` now."""
-        pipe = self._by_identity[identity]
-        waker = self._wakes[pipe]
+        """A function that sends a wake-up byte to the worker process ``identity`` (looked up once, not per step).
 
-        def wake() -> None:
-            try:
-                if waker.closed:
-                    raise PipeClosed("The wake socket is closed.")
-                waker.wake()
-            except PipeClosed:
-                self._remove(pipe)
-                raise zmq.ZMQError(errno.EHOSTUNREACH, f"the wake socket of {identity!r} is closed") from None
-
-        return wake
+        It raises ``zmq.ZMQError(EHOSTUNREACH)`` once the process is gone, as a send does.
+        """
+        pipe, waker = self._wake_socket(identity)
+        return lambda: self._on_wake(identity, pipe, waker, WakeSocket.wake)
 
     def pass_fd(self, identity: bytes, fd: int) -> None:
         """Send a file descriptor to the worker process ``identity`` over its wake socket."""
-        self._on_wake(identity, lambda waker: waker.pass_fd(fd))
+        pipe, waker = self._wake_socket(identity)
+        self._on_wake(identity, pipe, waker, lambda waker: waker.pass_fd(fd))
 
-    def _on_wake(self, identity: bytes, action: Callable[[WakeSocket], None]) -> None:
+    def _wake_socket(self, identity: bytes) -> tuple[Pipe, WakeSocket]:
         pipe = self._by_identity.get(identity)
         waker = None if pipe is None else self._wakes.get(pipe)
-        if pipe is None or waker is None or waker.closed:
+        if pipe is None or waker is None:
             raise zmq.ZMQError(errno.EHOSTUNREACH, f"the wake socket of {identity!r} is closed")
+        return pipe, waker
+
+    def _on_wake(self, identity: bytes, pipe: Pipe, waker: WakeSocket, action: Callable[[WakeSocket], None]) -> None:
+        """``action(waker)``; a wake socket that is closed, or found gone, raises as a send to a gone process does."""
         try:
+            if waker.closed:
+                raise PipeClosed("The wake socket is closed.")
             action(waker)
         except PipeClosed:
             self._remove(pipe)

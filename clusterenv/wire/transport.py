@@ -362,7 +362,7 @@ class Channel:
         wake_fd: int | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
     ) -> Channel:
-        """A worker's channel on the pipe its learner gave it (file descriptor ``fd``, ``pipe://FD[,WAKE_FD]``).
+        """A worker's channel on the pipe its learner gave it (file descriptor ``fd``, ``pipe://FD``).
 
         Its first record names the worker's routing id, as a DEALER's identity does on ZeroMQ.
         Nothing is compressed or MACed over arrays: only the learner and this process hold the pipe
