@@ -228,15 +228,22 @@ def solved_return(args, envs):
     )
 
 
-def train(args, envs, spec, seed):
+def train(args, envs, spec, seed, *, make_agent=Agent, weights=None):
+    """One PPO run; ``make_agent(envs)`` builds the agent, ``weights`` is the runner's weight encoding."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    agent = Agent(envs)
+    agent = make_agent(envs)
     optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
     envs.reset(seed=seed)
     runner = PolicyRunner(
-        envs, agent.actor, make_strategy(spec), seed=seed, probe_steps=args.probe_steps, prefetch=args.prefetch
+        envs,
+        agent.actor,
+        make_strategy(spec),
+        seed=seed,
+        probe_steps=args.probe_steps,
+        prefetch=args.prefetch,
+        weights=weights,
     )
     batch_size = args.num_envs * args.num_steps
     num_iterations = args.total_timesteps // batch_size
@@ -318,6 +325,7 @@ def train(args, envs, spec, seed):
         curve.append(
             {
                 "step": global_step,
+                "wall_s": time.time() - start,
                 "mean_return": float(np.mean(recent)) if recent else None,
                 "pulls": telemetry.pulls,
                 "approx_kl": float(approx_kl),
@@ -350,6 +358,9 @@ def train(args, envs, spec, seed):
         "pulls_per_worker": total.pulls / envs.num_workers,
         "pulls": total.pulls,
         "weight_bytes": total.weight_bytes,
+        "full_pulls": total.full_pulls,
+        "delta_pulls": total.delta_pulls,
+        "guard_trips": total.guard_trips,
         "probe_bytes": total.probe_bytes,
         "initial_bytes": total.initial_bytes,
         "mean_lag": total.mean_lag,

@@ -33,6 +33,7 @@ if _typing.TYPE_CHECKING:  # the public names, each written once (``X as X``: re
     from clusterenv.learner.rollouts import PolicyRunner as PolicyRunner
     from clusterenv.learner.vector_env import ClusterEnv as ClusterEnv
     from clusterenv.make import make_vec as make_vec
+    from clusterenv.policy.deltas import LossyWeights as LossyWeights
     from clusterenv.policy.heads import Bernoulli as Bernoulli
     from clusterenv.policy.heads import Categorical as Categorical
     from clusterenv.policy.heads import EpsilonGreedy as EpsilonGreedy

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import closing
 from dataclasses import dataclass
 
-__all__ = ["OtherHost", "free_port", "other_host", "unavailable"]
+__all__ = ["OtherHost", "free_port", "other_host", "rate_bits", "unavailable"]
 
 _SUBNET = "10.213"
 _TBF_LATENCY = "50ms"
@@ -88,8 +88,8 @@ def free_port(host: str) -> int:
 
 
 def _limit(namespace: str | None, device: str, rate: str) -> None:
-    rate_bits = _bits(rate)
-    burst = max(64 * 1024, rate_bits // 8 // 250)  # 4 ms of traffic: tbf needs at least rate / HZ
+    bits = rate_bits(rate)
+    burst = max(64 * 1024, bits // 8 // 250)  # 4 ms of traffic: tbf needs at least rate / HZ
     command = ["tc", "qdisc", "add", "dev", device, "root", "tbf", "rate", rate, "burst", str(burst)]
     command += ["latency", _TBF_LATENCY]
     if namespace is not None:
@@ -97,7 +97,7 @@ def _limit(namespace: str | None, device: str, rate: str) -> None:
     subprocess.run(command, check=True, capture_output=True, text=True, timeout=10)
 
 
-def _bits(rate: str) -> int:
+def rate_bits(rate: str) -> int:
     """``"1gbit"`` → 10**9: tc's rate units."""
     for unit, factor in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3), ("bit", 1)):
         if rate.endswith(unit):

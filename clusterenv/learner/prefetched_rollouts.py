@@ -25,7 +25,6 @@ from clusterenv.wire.messages import (
     ProbeMeta,
     RolloutAheadMeta,
     RolloutResultMeta,
-    WeightsMeta,
     WeightsRequestMeta,
     meta_of,
 )
@@ -68,7 +67,7 @@ class PrefetchingRunner(PolicyRunner):
             if self.sync.pulls_every_version:
                 # The worker would ask for it at once; sending it now saves the request's
                 # round trip, which would wait for the learner's next rollout() call.
-                self._send_weights(w)
+                self._send_weights(w, Kind.PUSH_WEIGHTS)
                 self._stream.pushed[w] = self._version
             if w not in answered:
                 self._send_probe(w, outputs=outputs[w])
@@ -185,9 +184,10 @@ class PrefetchingRunner(PolicyRunner):
             w, msg = received
             timeout = 0.0  # after the first message, take only what has already arrived
             if msg.kind is Kind.WEIGHTS_REQUEST:
-                if meta_of(msg, WeightsRequestMeta)["version"] < stream.pushed[w]:
+                request = meta_of(msg, WeightsRequestMeta)
+                if request["version"] < stream.pushed[w] and request["held"] is not None and not request["exact"]:
                     continue  # asked before a pushed version reached it: that push is the answer
-                self._send_weights(w)
+                self._send_weights(w, Kind.PUSH_WEIGHTS, request)
             elif msg.kind is Kind.ROLLOUT_RESULT:
                 rollout_id = meta_of(msg, RolloutResultMeta)["rollout_id"]
                 if stream.sent[w].pop(rollout_id, None) is None:
@@ -199,13 +199,6 @@ class PrefetchingRunner(PolicyRunner):
             else:
                 raise ProtocolError(f"Worker {w} sent {msg.kind.name} during a prefetched rollout.")
         return arrived
-
-    def _send_weights(self, worker_id: int) -> None:
-        """Send the latest version's weights to a prefetching worker (it acts with them from its next step)."""
-        self.envs.pool.send(worker_id, Kind.PUSH_WEIGHTS, WeightsMeta(version=self._version), self._weights)
-        record = self._telemetry.workers[worker_id]
-        record.pulls += 1
-        record.weight_bytes += sum(a.nbytes for a in self._weights)
 
     def _send_probe(self, worker_id: int, rollout_id: int | None = None, outputs: np.ndarray | None = None) -> None:
         """Send the latest version's outputs on the worker's latest probe states (prefetch mode).

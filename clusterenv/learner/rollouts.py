@@ -44,11 +44,13 @@ from clusterenv.learner.pool import FollowUp, OnLoss, WorkerPool, weak_callback
 from clusterenv.learner.rollout_batch import RolloutBatch
 from clusterenv.learner.step_buffers import restarted_records
 from clusterenv.learner.vector_env import ClusterEnv
+from clusterenv.learner.weight_shipments import WeightShipments
+from clusterenv.policy.deltas import LossyWeights, check_weights_spec
 from clusterenv.policy.heads import Head, default_head
 from clusterenv.policy.strategies import EveryUpdate, SyncStrategy, Telemetry, WorkerTelemetry, probe_rows
 from clusterenv.wire.infos import InfoPayload, InfoRecord, merge_infos, replay_infos
 from clusterenv.wire.leaves import leaf_specs, unflatten
-from clusterenv.wire.messages import RolloutResultMeta, SetPolicyMeta, WeightsMeta, meta_of
+from clusterenv.wire.messages import RolloutResultMeta, SetPolicyMeta, WeightsRequestMeta, meta_of
 from clusterenv.wire.protocol import ROLLOUT_FIELDS, Kind, Message, split_rollout_frames
 
 if TYPE_CHECKING:
@@ -138,6 +140,7 @@ class PolicyRunner(abc.ABC):
         timeout: float | None = None,
         prefetch: int = 0,
         device: str | torch.device | None = None,
+        weights: str | LossyWeights | None = None,
     ) -> None:
         """Ship the policy (version 0) to every worker.
 
@@ -159,6 +162,11 @@ class PolicyRunner(abc.ABC):
             device: where the policy lives (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"mps"``); default:
                 the device of its parameters. It is a check, not a move: a device this process
                 cannot use, or one other than the policy's, raises :class:`PolicyError`.
+            weights: how pulls ship the weights (:mod:`clusterenv.policy.deltas`): ``"full"`` (the whole
+                tensors), ``"lossless"`` (a compressed XOR delta from the worker's version, rebuilt bit for
+                bit), ``"lossy"`` or a :class:`~clusterenv.policy.deltas.LossyWeights` (quantized deltas
+                with error feedback, checked by a KL guard; needs the KL probes). Default: lossless to
+                workers on other hosts, full copies to workers on this one.
         """
         from torch import nn
 
@@ -188,6 +196,12 @@ class PolicyRunner(abc.ABC):
             raise PolicyError(f"`sync` must be a SyncStrategy such as APS(threshold=0.01), got {sync!r}.")
         if isinstance(probe_steps, bool) or not isinstance(probe_steps, int) or probe_steps < 1:
             raise PolicyError(f"`probe_steps` must be a positive integer, got {probe_steps!r}.")
+        weights_spec = check_weights_spec(weights)
+        if isinstance(weights_spec, LossyWeights) and not (measure_kl or sync.needs_kl):
+            raise PolicyError(
+                "Lossy weights are checked by a KL guard on the workers' probe states: keep `measure_kl=True` "
+                "(or use weights='lossless')."
+            )
         self.envs, self.sync, self.seed, self.prefetch = envs, sync, seed, check_prefetch(prefetch)
         self.head: Head = default_head(envs.single_action_space) if head is None else head
         self.probe_steps = probe_steps
@@ -206,6 +220,8 @@ class PolicyRunner(abc.ABC):
         # Per worker, its latest probe states: one array per observation leaf, (states, *leaf_shape).
         self._probe_obs: list[list[np.ndarray] | None] = [None] * envs.num_workers
         self._telemetry = Telemetry([WorkerTelemetry(w) for w in range(envs.num_workers)])
+        pool = envs.pool
+        self._shipments = WeightShipments(weights_spec, self._telemetry, lambda w: pool.members.host(w))
         self._ship(cloudpickle.dumps(sync))
 
     # -- shipping --------------------------------------------------------------------------
@@ -225,7 +241,8 @@ class PolicyRunner(abc.ABC):
 
     def _policy_message(self, worker_id: int) -> FollowUp:
         """The SET_POLICY that installs the current version on worker ``worker_id`` (counted as sent)."""
-        meta = SetPolicyMeta(names=self._names, version=self._version, seed=self.seed)
+        digest = self._shipments.installed(worker_id, self._version, self._weights)
+        meta = SetPolicyMeta(names=self._names, version=self._version, seed=self.seed, digest=digest)
         size = len(self._architecture) + sum(a.nbytes for a in self._weights)
         self._telemetry.workers[worker_id].initial_bytes += size
         return FollowUp(Kind.SET_POLICY, meta, self._weights, [self._architecture, self._strategy], OnLoss.RAISE)
@@ -376,11 +393,19 @@ class PolicyRunner(abc.ABC):
     def _answer_pull(self, worker_id: int, msg: Message) -> bool:
         if msg.kind is not Kind.WEIGHTS_REQUEST:
             return False
-        self.envs.pool.send(worker_id, Kind.SET_WEIGHTS, WeightsMeta(version=self._version), self._weights)
-        record = self._telemetry.workers[worker_id]
-        record.pulls += 1
-        record.weight_bytes += sum(a.nbytes for a in self._weights)
+        self._send_weights(worker_id, Kind.SET_WEIGHTS, meta_of(msg, WeightsRequestMeta))
         return True
+
+    def _send_weights(self, worker_id: int, kind: Kind, request: WeightsRequestMeta | None = None) -> None:
+        """Ship the latest version to a worker, as :class:`WeightShipments` finds cheapest (``request``: its pull).
+
+        A lossy delta goes only to a worker that has the learner's outputs on its probe states,
+        at this version, for its guard.
+        """
+        guarded = self.send_probes and self._probe_obs[worker_id] is not None
+        shipments = self._shipments
+        meta, frames = shipments.shipment(worker_id, self._version, self._weights, request=request, guarded=guarded)
+        self.envs.pool.send(worker_id, kind, meta, frames)
 
     def _keep_probe_states(self, worker_id: int, obs: list[np.ndarray]) -> None:
         """Keep the last ``probe_steps`` steps of a rollout's observation leaves ``(T, n, ...)``, as the worker does."""

@@ -271,6 +271,11 @@ class LocalPolicy:
         load_weights(self.module, self.names, arrays)
         self.version = version
 
+    def arrays(self) -> list[np.ndarray]:
+        """The weights held, as numpy views of the (CPU) module's tensors, in :attr:`names` order."""
+        tensors = policy_tensors(self.module)
+        return [tensors[name].detach().numpy() for name in self.names]
+
     def to(self, device: torch.device) -> None:
         """Run the module on ``device`` from now on."""
         self.module.to(device)

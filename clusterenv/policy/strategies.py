@@ -157,8 +157,11 @@ class WorkerTelemetry:
 
     Attributes:
         worker_id: the worker (``-1`` for the total over workers).
-        pulls: weight pulls after the initial shipment.
-        weight_bytes: bytes of weight arrays sent by those pulls.
+        pulls: weight shipments after the initial one: the strategy's pulls, and exact copies the lossy guard asked for.
+        weight_bytes: bytes of weight arrays (or delta frames) sent by those pulls.
+        full_pulls: pulls answered with the whole weights.
+        delta_pulls: pulls answered with a delta (``full_pulls + delta_pulls == pulls``).
+        guard_trips: exact copies asked for because a lossy delta moved the policy past ``guard_kl``.
         initial_bytes: bytes of the architecture and weights sent once by the policy shipment.
         probe_bytes: bytes of learner outputs sent for KL checks.
         kl_checks: number of KL measurements.
@@ -170,6 +173,9 @@ class WorkerTelemetry:
     worker_id: int
     pulls: int = 0
     weight_bytes: int = 0
+    full_pulls: int = 0
+    delta_pulls: int = 0
+    guard_trips: int = 0
     initial_bytes: int = 0
     probe_bytes: int = 0
     kl_checks: int = 0
@@ -220,6 +226,9 @@ class Telemetry:
         for w in self.workers:
             total.pulls += w.pulls
             total.weight_bytes += w.weight_bytes
+            total.full_pulls += w.full_pulls
+            total.delta_pulls += w.delta_pulls
+            total.guard_trips += w.guard_trips
             total.initial_bytes += w.initial_bytes
             total.probe_bytes += w.probe_bytes
             total.kl_checks += w.kl_checks
@@ -229,11 +238,14 @@ class Telemetry:
         return total
 
     def summary(self) -> dict[str, float]:
-        """Flat scalars for a logger: ``sync/pulls``, ``sync/weight_bytes``, ``sync/mean_kl``, ..."""
+        """Flat scalars for a logger: ``sync/pulls``, ``sync/weight_bytes``, ``sync/delta_pulls``, ..."""
         total = self.total
         out: dict[str, float] = {
             "sync/pulls": total.pulls,
             "sync/weight_bytes": total.weight_bytes,
+            "sync/full_pulls": total.full_pulls,
+            "sync/delta_pulls": total.delta_pulls,
+            "sync/guard_trips": total.guard_trips,
             "sync/probe_bytes": total.probe_bytes,
             "sync/learner_version": self.learner_version,
         }

@@ -118,12 +118,23 @@ class SetPolicyMeta(Empty):
     names: list[str]
     version: int
     seed: int | None
+    digest: bytes  # of the weights (clusterenv.policy.deltas.digest): the base of the first delta
 
 
 class WeightsMeta(Empty):
-    """SET_WEIGHTS (the answer to a pull; the worker then acts) and PUSH_WEIGHTS (a prefetching worker's pull)."""
+    """SET_WEIGHTS (the answer to a pull; the worker then acts) and PUSH_WEIGHTS (a prefetching worker's pull).
+
+    The arrays are the weights (``encoding="full"``) or a delta's frames (``"lossless"``, ``"lossy"``:
+    see :mod:`clusterenv.policy.deltas`), which apply to the weights of digest ``base``.
+    """
 
     version: int
+    encoding: str  # "full", "lossless" or "lossy"
+    digest: bytes  # of the weights the worker holds once it has taken these
+    base: bytes | None  # a delta's: the digest of the weights it applies to
+    scales: NotRequired[list[float | None]]  # a delta's, per tensor: None where the tensor is exact (XOR)
+    bits: NotRequired[int | None]  # a lossy delta's quantization
+    guard_kl: NotRequired[float]  # a lossy delta's: the KL above which the worker asks for an exact copy
 
 
 class RolloutMeta(Empty):
@@ -235,6 +246,8 @@ class WeightsRequestMeta(Empty):
 
     kl: float | None
     version: int
+    held: bytes | None  # the digest of the weights the worker holds (None: it cannot take a delta)
+    exact: bool  # a lossy delta tripped the worker's guard: it wants exact weights
 
 
 _META: dict[Kind, type] = {

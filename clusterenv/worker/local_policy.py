@@ -24,6 +24,7 @@ This module is worker-side: it imports torch only when a policy arrives, and not
 
 from __future__ import annotations
 
+import logging
 import pickle
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -33,7 +34,7 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 
 from clusterenv.errors import PolicyError
-from clusterenv.policy.heads import head_from_meta
+from clusterenv.policy.heads import Head, head_from_meta
 from clusterenv.policy.strategies import EveryUpdate, SyncStrategy, mean_kl, probe_rows
 from clusterenv.wire.infos import pack_infos
 from clusterenv.wire.leaves import is_array_tree, leaf_arrays, unflatten
@@ -55,6 +56,8 @@ if TYPE_CHECKING:
 
 __all__ = ["RolloutAborted", "install"]
 
+logger = logging.getLogger(__name__)
+
 
 class RolloutAborted(Exception):
     """The learner asked this worker to close in the middle of a prefetched rollout."""
@@ -75,6 +78,12 @@ class _WorkerPolicy:
         self.probe_obs: dict[int, Any] = {}
         self.learner_probe: tuple[int, int, np.ndarray] | None = None
         self.pull_outstanding = False
+        # The digest of the weights held (the base a delta names); the last rollout's probe states
+        # (lockstep), and a lossy version whose guard still waits for the learner's outputs (prefetch).
+        self.digest: bytes | None = None
+        self.probe_states: Any = None
+        self.head: Head | None = None
+        self.unguarded: tuple[int, float] | None = None
 
     def set_policy(self, msg: Message) -> Message:
         import torch
@@ -96,6 +105,7 @@ class _WorkerPolicy:
         self.rngs = [np.random.default_rng(None if seed is None else [seed, offset + i]) for i in range(envs.num_envs)]
         self.probe_outputs, self.pending = None, None
         self.probe_obs, self.learner_probe, self.pull_outstanding = {}, None, False
+        self.digest, self.probe_states, self.head, self.unguarded = meta["digest"], None, None, None
         return Message(Kind.VALUE)
 
     def rollout(self, msg: Message) -> Message:
@@ -104,6 +114,7 @@ class _WorkerPolicy:
             raise PolicyError("ROLLOUT before SET_POLICY: this worker holds no policy.")
         meta = meta_of(msg, RolloutMeta)
         request: dict[str, Any] = {**meta, "head": head_from_meta(meta["head"]), "kl": None}
+        request["learner_outputs"] = msg.arrays[0] if msg.arrays else None
         if msg.arrays and self.probe_outputs is not None:
             request["kl"] = mean_kl(request["head"], msg.arrays[0], self.probe_outputs)
         pull = self.strategy.should_pull(
@@ -111,8 +122,14 @@ class _WorkerPolicy:
         )
         if pull:
             self.pending = request
-            return Message(Kind.WEIGHTS_REQUEST, WeightsRequestMeta(kl=request["kl"], version=self.policy.version))
+            return self._request(request["kl"])
         return self._act(request)[0]
+
+    def _request(self, kl: float | None, *, held: bool = True, exact: bool = False) -> Message:
+        """A WEIGHTS_REQUEST; ``held=False`` when the weights held cannot be a delta's base (ask for a full copy)."""
+        assert self.policy is not None
+        meta = WeightsRequestMeta(kl=kl, version=self.policy.version, held=self.digest if held else None, exact=exact)
+        return Message(Kind.WEIGHTS_REQUEST, meta)
 
     def rollout_ahead(self, msg: Message) -> Message:
         """A rollout of a prefetching runner: check the KL, ask for weights without waiting, act."""
@@ -131,11 +148,10 @@ class _WorkerPolicy:
         pull = self.strategy.should_pull(
             local_version=self.policy.version, learner_version=learner_version, kl=request["kl"]
         )
+        self.head = request["head"]
         if pull and not self.pull_outstanding:
             self.pull_outstanding = True
-            self.worker.send(
-                Message(Kind.WEIGHTS_REQUEST, WeightsRequestMeta(kl=request["kl"], version=self.policy.version))
-            )
+            self.worker.send(self._request(request["kl"]))
         reply, obs = self._act(request, between_steps=mailbox.poll)
         rollout_id = int(request["rollout_id"])
         leaves = probe_rows(obs, int(request["probe_steps"]))
@@ -149,21 +165,81 @@ class _WorkerPolicy:
         """The learner's latest outputs on the probe states of one of this worker's rollouts (prefetch mode)."""
         meta = meta_of(msg, ProbeMeta)
         self.learner_probe = (int(meta["rollout_id"]), int(meta["version"]), msg.arrays[0])
+        self._check_pushed()
 
     def set_weights(self, msg: Message) -> Message:
-        """The answer to a lockstep pull (or a publish): load the weights, then act the pending rollout, if any."""
+        """The answer to a lockstep pull (or a publish): load the weights, then act the pending rollout, if any.
+
+        A delta this worker cannot take, or a lossy one that moves the policy past its guard,
+        is answered with another WEIGHTS_REQUEST, and the rollout waits for that answer.
+        """
         if self.policy is None:
             raise PolicyError("SET_WEIGHTS before SET_POLICY: this worker holds no policy.")
-        self.policy.load(list(msg.arrays), meta_of(msg, WeightsMeta)["version"])
-        request, self.pending = self.pending, None
+        meta = meta_of(msg, WeightsMeta)
+        request = self.pending
+        if not self._take(msg):
+            return self._request(None if request is None else request["kl"], held=False)
+        if request is not None and "guard_kl" in meta and request["learner_outputs"] is not None:
+            if meta["version"] == request["learner_version"] and self.probe_states is not None:
+                kl = mean_kl(request["head"], request["learner_outputs"], self.policy.outputs(self.probe_states))
+                if kl > meta["guard_kl"]:
+                    return self._request(request["kl"], exact=True)
+        self.pending = None
         return Message(Kind.VALUE) if request is None else self._act(request)[0]
 
     def push_weights(self, msg: Message) -> None:
-        """The answer to a prefetching worker's pull, taken between two steps: the next step acts with it."""
+        """The answer to a prefetching worker's pull, taken between two steps: the next step acts with it.
+
+        A lossy delta is checked once the learner's outputs at its version are here (they may
+        come after it); until then the rebuilt copy acts.
+        """
         if self.policy is None:
             raise PolicyError("PUSH_WEIGHTS before SET_POLICY: this worker holds no policy.")
-        self.policy.load(list(msg.arrays), meta_of(msg, WeightsMeta)["version"])
+        meta = meta_of(msg, WeightsMeta)
+        if not self._take(msg):
+            self.worker.send(self._request(None, held=False))
+            return
         self.pull_outstanding = False
+        self.unguarded = (meta["version"], meta["guard_kl"]) if "guard_kl" in meta else None
+        self._check_pushed()
+
+    def _take(self, msg: Message) -> bool:
+        """Load the weights a SET_WEIGHTS or PUSH_WEIGHTS carries; False if they are a delta from other weights.
+
+        A delta is rebuilt from the held weights (:func:`~clusterenv.policy.deltas.apply_delta`)
+        and must give the digest the learner names; otherwise nothing is loaded.
+        """
+        from clusterenv.policy.deltas import apply_delta, digest
+
+        policy = self.policy
+        assert policy is not None
+        meta = meta_of(msg, WeightsMeta)
+        arrays = list(msg.arrays)
+        if meta["encoding"] != "full":
+            if meta["base"] != self.digest:
+                logger.warning("A weight delta names other weights than this worker holds; asking for a full copy.")
+                return False
+            arrays = apply_delta(policy.arrays(), arrays, meta.get("scales", []), meta.get("bits"))
+            if digest(arrays) != meta["digest"]:
+                logger.warning("A weight delta did not rebuild the weights it names; asking for a full copy.")
+                return False
+        policy.load(arrays, meta["version"])
+        self.digest = meta["digest"]
+        return True
+
+    def _check_pushed(self) -> None:
+        """Prefetch mode: check a pushed lossy delta once the learner's outputs at its version are here."""
+        if self.unguarded is None or self.learner_probe is None or self.head is None:
+            return
+        version, guard_kl = self.unguarded
+        rollout_id, probe_version, outputs = self.learner_probe
+        if probe_version != version or rollout_id not in self.probe_obs:
+            return
+        assert self.policy is not None
+        self.unguarded = None
+        if mean_kl(self.head, outputs, self.policy.outputs(self.probe_obs[rollout_id])) > guard_kl:
+            self.pull_outstanding = True
+            self.worker.send(self._request(None, exact=True))
 
     def _act(
         self, request: dict[str, Any], between_steps: Callable[[], None] | None = None
@@ -223,6 +299,7 @@ class _WorkerPolicy:
             info_logs.append(envs.info_log)
             envs.info_log = []
         self.probe_outputs = probe_rows([out["logits"]], int(request["probe_steps"]))[0]
+        self.probe_states = unflatten(space, probe_rows(obs, int(request["probe_steps"])))
         next_obs = [np.array(current)] if single else [np.array(leaf) for leaf in leaf_arrays(space, current)]
         blobs = [cloudpickle.dumps([pack_infos(log, envs.num_envs) for log in info_logs]) if any(info_logs) else b""]
         meta = RolloutResultMeta(version=policy.version, kl=request["kl"], restarted=restarted)
