@@ -11,10 +11,12 @@ import socket
 import subprocess
 from contextlib import closing
 
+import gymnasium as gym
 import pytest
+import torch
 from gymnasium.vector import SyncVectorEnv
 
-from clusterenv import ClusterEnv
+from clusterenv import ClusterEnv, EveryUpdate, PolicyRunner
 from tests import netns
 from tests.envs import SpriteEnv
 from tests.test_remote import FAST, SECRET, child_env, run_lockstep, worker_command
@@ -60,3 +62,31 @@ def test_a_worker_on_another_host_gives_what_a_local_one_gives(compression):
         assert received > frames
     else:
         assert received < frames / 5
+
+
+def test_by_default_pulls_are_lossless_deltas_to_another_host_and_full_copies_on_this_one():
+    with netns.other_host() as host:
+        address = f"tcp://{host.learner_ip}:{netns.free_port(host.learner_ip)}"
+        workers = [
+            subprocess.Popen(worker_command(address, "--worker-id", "0"), env=child_env()),
+            host.popen(worker_command(address, "--worker-id", "1"), env=child_env()),
+        ]
+        try:
+            cartpoles = [functools.partial(gym.make, "CartPole-v1")] * 4
+            with ClusterEnv(
+                cartpoles, num_workers=2, bind=address, secret=SECRET, launcher="external", heartbeat=FAST
+            ) as envs:
+                actor = torch.nn.Linear(4, 2)
+                runner = PolicyRunner(envs, actor, EveryUpdate(), seed=0)
+                for _ in range(4):
+                    runner.rollout(4)
+                    with torch.no_grad():
+                        actor.weight.add_(0.01)
+                    runner.publish()
+                local, remote = runner.telemetry.workers
+        finally:
+            for worker in workers:
+                worker.kill()
+                worker.wait(timeout=10)
+    assert local.full_pulls == local.pulls == 3 and local.delta_pulls == 0
+    assert remote.delta_pulls == remote.pulls == 3 and remote.full_pulls == 0

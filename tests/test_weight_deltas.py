@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from torch import nn
 
-from clusterenv import APS, ClusterEnv, EveryUpdate, LossyWeights, Never, PolicyError, PolicyRunner
+from clusterenv import APS, ClusterEnv, EveryUpdate, FixedInterval, LossyWeights, Never, PolicyError, PolicyRunner
 from clusterenv.learner.weight_shipments import WeightShipments
 from clusterenv.policy.deltas import apply_delta, digest, encode_delta
 from clusterenv.policy.strategies import Telemetry, WorkerTelemetry
@@ -256,6 +256,37 @@ def test_a_restarted_worker_gets_a_full_copy_and_deltas_from_it_after(full_run):
     assert total.initial_bytes > full_run[1].initial_bytes, "the replacement got the policy again, whole"
 
 
+def corrupt_once(monkeypatch, what: str) -> None:
+    """Make the learner's next delta wrong: a flipped bit in its first frame, or a base the worker does not hold."""
+    from clusterenv.learner import weight_shipments
+
+    real = weight_shipments.WeightShipments.shipment
+    done = []
+
+    def shipment(self, *args, **kwargs):
+        meta, frames = real(self, *args, **kwargs)
+        if meta["encoding"] != "full" and not done:
+            done.append(True)
+            if what == "frame":
+                frame = frames[2].copy()
+                frame[len(frame) // 2] ^= 1
+                frames = [*frames[:2], frame, *frames[3:]]
+            else:
+                meta = {**meta, "base": b"not what it holds"}
+        return meta, frames
+
+    monkeypatch.setattr(weight_shipments.WeightShipments, "shipment", shipment)
+
+
+@pytest.mark.parametrize("what", ["frame", "base"])
+def test_a_worker_refuses_a_delta_that_does_not_rebuild_what_it_names_and_gets_a_full_copy(full_run, monkeypatch, what):
+    corrupt_once(monkeypatch, what)
+    with cartpoles() as envs:
+        batches, total = train(envs, "lossless")
+    assert_same_batches(batches, full_run[0])
+    assert total.full_pulls == 1 and total.pulls == full_run[1].pulls + 1
+
+
 def test_local_workers_get_full_copies_by_default(full_run):
     with cartpoles() as envs:
         batches, total = train(envs, None)
@@ -271,6 +302,26 @@ def test_prefetching_workers_take_deltas_and_guard_them(weights):
     if isinstance(weights, LossyWeights):
         assert total.guard_trips > 0
     assert all(batch.obs.shape == (8, 4, 4) for batch in batches)
+
+
+def test_prefetching_workers_keep_pulling_deltas_after_the_runner_stops_and_starts_again():
+    """Pulls and guard requests go out between a runner's stop() and its next rollout: none may be lost for good."""
+    with cartpoles() as envs:
+        policy = actor()
+        lossy = LossyWeights(bits=2, guard_kl=1e-12)
+        runner = PolicyRunner(envs, policy, FixedInterval(1), seed=3, weights=lossy, prefetch=1)
+        pulls, rng = [], torch.Generator().manual_seed(7)
+        for _ in range(4):
+            for _ in range(3):
+                runner.rollout(8)
+                with torch.no_grad():
+                    policy[0].weight.add_(torch.randn(policy[0].weight.shape, generator=rng) * 0.05)
+                runner.publish()
+            runner.stop()
+            pulls.append(runner.telemetry.total.pulls)
+        total = runner.telemetry.total
+    assert pulls == sorted(set(pulls)), f"every round pulls: {pulls}"
+    assert total.full_pulls == 0 and total.guard_trips > 0
 
 
 def test_aps_pulls_deltas_too():

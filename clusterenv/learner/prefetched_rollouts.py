@@ -136,7 +136,8 @@ class PrefetchingRunner(PolicyRunner):
                     leftovers.append(self._assemble({w: stream.results[w].pop(stream.consumed[w])}, steps))
                     stream.consumed[w] += 1
         stream.hold.close()
-        self._stream = _Stream(self.envs.num_workers, next_id=max(stream.next_id))
+        # The workers' latest probe states stay the ones named: a publish before their next result probes them.
+        self._stream = _Stream(self.envs.num_workers, next_id=max(stream.next_id), probe_id=stream.probe_id)
         return leftovers
 
     def _check_steps(self, num_steps: int) -> None:
@@ -237,7 +238,7 @@ class PrefetchingRunner(PolicyRunner):
 class _Stream:
     """The prefetch bookkeeping of a runner: per worker, rollout ids sent, consumed, and results held."""
 
-    def __init__(self, num_workers: int, next_id: int = 0) -> None:
+    def __init__(self, num_workers: int, next_id: int = 0, probe_id: list[int] | None = None) -> None:
         self.started = False
         self.mode: str | None = None  # "batches" (rollout) or "fragments"
         self.num_steps = 0
@@ -246,7 +247,7 @@ class _Stream:
         self.consumed = [next_id] * num_workers
         self.sent: list[dict[int, dict[str, Any]]] = [{} for _ in range(num_workers)]
         self.results: list[dict[int, Message]] = [{} for _ in range(num_workers)]
-        self.probe_id = [0] * num_workers
+        self.probe_id = [0] * num_workers if probe_id is None else list(probe_id)
         self.pushed = [-1] * num_workers  # the latest version pushed to each worker (EveryUpdate)
 
     def in_flight(self, worker_id: int) -> list[dict[str, Any]]:

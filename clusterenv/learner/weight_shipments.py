@@ -42,8 +42,8 @@ class _Held:
     """The weights a worker holds once it has taken everything sent to it."""
 
     version: int
-    arrays: list[np.ndarray]
-    digest: bytes
+    arrays: list[np.ndarray] | None  # None where only full copies go: nothing to take a delta from
+    digest: bytes | None  # None where only full copies go: the worker never checks one
     exact: bool  # the learner's own snapshot of ``version``, not a lossy rebuild
 
 
@@ -64,7 +64,8 @@ class WeightShipments:
         self._held: dict[int, _Held] = {}
         self._passed: dict[int, deque[bytes]] = {}  # per worker, the digests of the states before its record
         self._latest: tuple[int, bytes] | None = None  # the digest of the latest version's snapshot
-        self._lossless: dict[int, list[np.ndarray]] = {}  # the latest version's delta frames, by exact base version
+        # The latest version's lossless delta frames, by (exact base version, version).
+        self._lossless: dict[tuple[int, int], list[np.ndarray]] = {}
 
     def encoding_for(self, worker_id: int) -> WeightsSpec:
         """The encoding worker ``worker_id`` gets: ``spec``, or by default lossless to another host, else full."""
@@ -73,11 +74,21 @@ class WeightShipments:
         host = self._host_of(worker_id)
         return "lossless" if host is not None and host != self._host else "full"
 
-    def installed(self, worker_id: int, version: int, weights: list[np.ndarray]) -> bytes:
-        """A SET_POLICY with ``weights`` went to the worker: it holds them, whatever it held before. Their digest."""
-        self._held[worker_id] = _Held(version, weights, self._digest(version, weights), exact=True)
+    def installed(self, worker_id: int, version: int, weights: list[np.ndarray]) -> bytes | None:
+        """A SET_POLICY with ``weights`` went to the worker: it holds them, whatever it held before.
+
+        Returns:
+            Their digest, the base of the worker's first delta; ``None`` for a worker that gets full copies.
+        """
+        self._held[worker_id] = self._full(worker_id, version, weights)
         self._passed[worker_id] = deque(maxlen=_PASSED_KEPT)
         return self._held[worker_id].digest
+
+    def _full(self, worker_id: int, version: int, weights: list[np.ndarray]) -> _Held:
+        """What a worker holds after a full copy: the snapshot and its digest, unless it only ever gets full copies."""
+        if self.encoding_for(worker_id) == "full":
+            return _Held(version, None, None, exact=True)
+        return _Held(version, weights, self._digest(version, weights), exact=True)
 
     def shipment(
         self,
@@ -101,22 +112,24 @@ class WeightShipments:
         record, encoding = self._held.get(worker_id), self.encoding_for(worker_id)
         held = record.digest if request is None and record is not None else None if request is None else request["held"]
         exact = request is not None and request["exact"]
-        latest = self._digest(version, weights)
         telemetry = self._telemetry.workers[worker_id]
         if exact:
             telemetry.guard_trips += 1
-        known = record is not None and (held == record.digest or held in self._passed[worker_id])
-        if record is not None and held is not None and not known:
+        passed = self._passed.setdefault(worker_id, deque(maxlen=_PASSED_KEPT))
+        known = record is not None and record.arrays is not None and (held == record.digest or held in passed)
+        if record is not None and record.arrays is not None and held is not None and not known:
             logger.warning("Worker %d holds other weights than were sent to it; it gets a full copy.", worker_id)
-        if encoding == "full" or record is None or not known:
-            meta = WeightsMeta(version=version, encoding="full", digest=latest, base=None)
-            frames, state = weights, _Held(version, weights, meta["digest"], exact=True)
+        if encoding == "full" or record is None or record.arrays is None or not known:
+            state = self._full(worker_id, version, weights)
+            meta = WeightsMeta(version=version, encoding="full", digest=state.digest, base=None)
+            frames = weights
             telemetry.full_pulls += 1
         else:
             bits = encoding.bits if isinstance(encoding, LossyWeights) and guarded and not exact else None
             frames, scales, rebuilt = self._delta(record, version, weights, bits)
-            lossy = bits is not None
-            state = _Held(version, rebuilt, digest(rebuilt) if lossy else latest, exact=not lossy)
+            lossy = any(scale is not None for scale in scales)  # integer tensors alone stay exact
+            bits = bits if lossy else None
+            state = _Held(version, rebuilt, digest(rebuilt) if lossy else self._digest(version, weights), not lossy)
             meta = WeightsMeta(
                 version=version,
                 encoding="lossy" if lossy else "lossless",
@@ -128,8 +141,8 @@ class WeightShipments:
             if isinstance(encoding, LossyWeights) and lossy:
                 meta["guard_kl"] = encoding.guard_kl
             telemetry.delta_pulls += 1
-        if record is not None:
-            self._passed[worker_id].append(record.digest)
+        if record is not None and record.digest is not None:
+            passed.append(record.digest)
         self._held[worker_id] = state
         telemetry.pulls += 1
         telemetry.weight_bytes += sum(frame.nbytes for frame in frames)
@@ -139,11 +152,12 @@ class WeightShipments:
         self, record: _Held, version: int, weights: list[np.ndarray], bits: int | None
     ) -> tuple[list[np.ndarray], list[float | None], list[np.ndarray]]:
         """A delta from ``record``; lossless deltas from an exact base are encoded once per version and base."""
+        assert record.arrays is not None
         if bits is not None or not record.exact:
             return encode_delta(record.arrays, weights, bits)
-        frames = self._lossless.get(record.version)
+        frames = self._lossless.get((record.version, version))
         if frames is None:
-            frames = self._lossless[record.version] = encode_delta(record.arrays, weights, None)[0]
+            frames = self._lossless[record.version, version] = encode_delta(record.arrays, weights, None)[0]
         return frames, [None] * len(frames), weights
 
     def _digest(self, version: int, weights: list[np.ndarray]) -> bytes:

@@ -118,7 +118,7 @@ class SetPolicyMeta(Empty):
     names: list[str]
     version: int
     seed: int | None
-    digest: bytes  # of the weights (clusterenv.policy.deltas.digest): the base of the first delta
+    digest: bytes | None  # of the weights (clusterenv.policy.deltas.digest), the base of a first delta; None: no deltas
 
 
 class WeightsMeta(Empty):
@@ -130,7 +130,7 @@ class WeightsMeta(Empty):
 
     version: int
     encoding: str  # "full", "lossless" or "lossy"
-    digest: bytes  # of the weights the worker holds once it has taken these
+    digest: bytes | None  # of the weights the worker holds once it has taken these (None: no deltas will follow)
     base: bytes | None  # a delta's: the digest of the weights it applies to
     scales: NotRequired[list[float | None]]  # a delta's, per tensor: None where the tensor is exact (XOR)
     bits: NotRequired[int | None]  # a lossy delta's quantization

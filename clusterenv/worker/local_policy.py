@@ -78,6 +78,9 @@ class _WorkerPolicy:
         self.probe_obs: dict[int, Any] = {}
         self.learner_probe: tuple[int, int, np.ndarray] | None = None
         self.pull_outstanding = False
+        # The outstanding pull's call number and flags: a pull sent in a call the learner has since
+        # ended (its runner's stop()) was dropped there, and is asked again in the next.
+        self.asked: tuple[Any, bool, bool] | None = None
         # The digest of the weights held (the base a delta names); the last rollout's probe states
         # (lockstep), and a lossy version whose guard still waits for the learner's outputs (prefetch).
         self.digest: bytes | None = None
@@ -104,7 +107,7 @@ class _WorkerPolicy:
         offset = self.worker.env_offset
         self.rngs = [np.random.default_rng(None if seed is None else [seed, offset + i]) for i in range(envs.num_envs)]
         self.probe_outputs, self.pending = None, None
-        self.probe_obs, self.learner_probe, self.pull_outstanding = {}, None, False
+        self.probe_obs, self.learner_probe, self.pull_outstanding, self.asked = {}, None, False, None
         self.digest, self.probe_states, self.head, self.unguarded = meta["digest"], None, None, None
         return Message(Kind.VALUE)
 
@@ -124,6 +127,12 @@ class _WorkerPolicy:
             self.pending = request
             return self._request(request["kl"])
         return self._act(request)[0]
+
+    def _ask(self, kl: float | None, *, held: bool = True, exact: bool = False) -> None:
+        """Prefetch mode: send a pull without waiting for it (the answer is a PUSH_WEIGHTS, taken between steps)."""
+        self.pull_outstanding = True
+        self.asked = (self.worker.mailbox.seq, held, exact)
+        self.worker.send(self._request(kl, held=held, exact=exact))
 
     def _request(self, kl: float | None, *, held: bool = True, exact: bool = False) -> Message:
         """A WEIGHTS_REQUEST; ``held=False`` when the weights held cannot be a delta's base (ask for a full copy)."""
@@ -149,9 +158,10 @@ class _WorkerPolicy:
             local_version=self.policy.version, learner_version=learner_version, kl=request["kl"]
         )
         self.head = request["head"]
+        if self.pull_outstanding and self.asked is not None and self.asked[0] != mailbox.seq:
+            self._ask(request["kl"], held=self.asked[1], exact=self.asked[2])
         if pull and not self.pull_outstanding:
-            self.pull_outstanding = True
-            self.worker.send(self._request(request["kl"]))
+            self._ask(request["kl"])
         reply, obs = self._act(request, between_steps=mailbox.poll)
         rollout_id = int(request["rollout_id"])
         leaves = probe_rows(obs, int(request["probe_steps"]))
@@ -197,9 +207,9 @@ class _WorkerPolicy:
             raise PolicyError("PUSH_WEIGHTS before SET_POLICY: this worker holds no policy.")
         meta = meta_of(msg, WeightsMeta)
         if not self._take(msg):
-            self.worker.send(self._request(None, held=False))
+            self._ask(None, held=False)
             return
-        self.pull_outstanding = False
+        self.pull_outstanding, self.asked = False, None
         self.unguarded = (meta["version"], meta["guard_kl"]) if "guard_kl" in meta else None
         self._check_pushed()
 
@@ -238,8 +248,7 @@ class _WorkerPolicy:
         assert self.policy is not None
         self.unguarded = None
         if mean_kl(self.head, outputs, self.policy.outputs(self.probe_obs[rollout_id])) > guard_kl:
-            self.pull_outstanding = True
-            self.worker.send(self._request(None, exact=True))
+            self._ask(None, exact=True)
 
     def _act(
         self, request: dict[str, Any], between_steps: Callable[[], None] | None = None
