@@ -157,7 +157,13 @@ def run_cell(host: netns.OtherHost, args: Args, link: str, cell: str, seed: int)
             except subprocess.TimeoutExpired:
                 worker.kill()
                 worker.wait()
-    kls = [kl for kl in result["start_kls"] if kl is not None]
+    measured = [
+        (kl, pulled) for kl, pulled in zip(result["start_kls"], result["start_pulled"], strict=True) if kl is not None
+    ]
+    # The acting copy's KL at a rollout start: the measured one if the worker kept its copy; after a pull,
+    # 0 for exact weights and at most the guard's bound for a lossy delta (the guard checked it on the worker).
+    pulled_kl = LossyWeights().guard_kl if weights == "lossy" else 0.0
+    acting = [pulled_kl if pulled else kl for kl, pulled in measured]
     return {
         "link_mbit": netns.rate_bits(link) // 10**6,
         "strategy": strategy_label(spec),
@@ -168,7 +174,8 @@ def run_cell(host: netns.OtherHost, args: Args, link: str, cell: str, seed: int)
         "pulls": result["pulls"],
         "final_return": result["final_return"],
         "time_to_target_s": time_to_target(result["curve"], args.target_return),
-        "max_kl_at_rollout_start": max(kls) if kls else None,
+        "max_kl_at_rollout_start": max(acting) if acting else None,
+        "max_kl_before_pull": max((kl for kl, _ in measured), default=None),
         "full_pulls": result["full_pulls"],
         "delta_pulls": result["delta_pulls"],
         "guard_trips": result["guard_trips"],
@@ -200,6 +207,9 @@ def summarize(args: Args, saved: dict) -> str:
         f"Medians over seeds {sorted({r['seed'] for r in runs})}, with the range over seeds in brackets. "
         f"Time to target: wall-clock seconds until the rolling mean return ({args.return_window} episodes) first "
         f"reaches {args.target_return:g} (runs that never did are left out; how many did is in brackets). "
+        "Max KL: the largest KL(learner ‖ acting copy) at a rollout start over the run's workers and seeds, after "
+        "the pull decision (a pulled copy counts 0, or the guard's bound, 0.001, for a lossy delta); before "
+        "the decision in brackets. "
         "Weight bytes: weight arrays and delta frames the runner handed to the wire (pulls after the first "
         "shipment); link bytes: everything that crossed the link, both ways, headers included.",
         "",
@@ -210,7 +220,7 @@ def summarize(args: Args, saved: dict) -> str:
             f"## {link:,} Mbit/s",
             "",
             "| strategy | weights | wall s | weight MB | link MB | pulls (delta / full, guard trips) "
-            "| final return | time to target s | max KL at rollout start |",
+            "| final return | time to target s | max KL at rollout start (before pull) |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for name in dict.fromkeys(cell_name(r) for r in rows):
@@ -233,6 +243,7 @@ def table_row(cell: list[dict]) -> str:
     reached = [r["time_to_target_s"] for r in cell if r["time_to_target_s"] is not None]
     target = f"{statistics.median(reached):.0f} ({len(reached)}/{len(cell)})" if reached else f"never (0/{len(cell)})"
     kls = [r["max_kl_at_rollout_start"] for r in cell if r["max_kl_at_rollout_start"] is not None]
+    before = [r["max_kl_before_pull"] for r in cell if r["max_kl_before_pull"] is not None]
     pulls = " ".join(
         [
             f"{median([r['pulls'] for r in cell]):.0f}",
@@ -243,7 +254,8 @@ def table_row(cell: list[dict]) -> str:
     return (
         f"| {cell[0]['strategy']} | {cell[0]['deltas'] or 'full'} | {spread(cell, 'wall_s')} "
         f"| {spread(cell, 'weight_bytes', 1e6, '.1f')} | {spread(cell, 'link_bytes', 1e6, '.1f')} | {pulls} "
-        f"| {spread(cell, 'final_return')} | {target} | {f'{max(kls):.3f}' if kls else 'n/a'} |"
+        f"| {spread(cell, 'final_return')} | {target} "
+        f"| {f'{max(kls):.3f} ({max(before):.3f})' if kls and before else 'n/a'} |"
     )
 
 

@@ -8,11 +8,11 @@ bytes the worker already has. Three encodings, chosen per pull by the learner:
   by significance (all first bytes, then all second bytes, ...: the sign and exponent bytes
   of a small change are mostly zero) and compressed with Zstandard. The worker rebuilds the
   new tensors bit for bit;
-* **lossy**: per floating tensor, the difference quantized to ``bits``-bit integers with one
-  scale per tensor (``bits=16``: float16), compressed the same way. The learner keeps each
+* **lossy**: per float32 or float64 tensor, the difference quantized to ``bits``-bit integers
+  with one scale per tensor (``bits=16``: float16), compressed the same way. The learner keeps each
   worker's rebuilt copy, so the next delta is taken from what the worker really holds and the
   quantization error of one pull is carried into the next (error feedback): it never
-  accumulates over versions. Integer tensors (counters, say) stay lossless.
+  accumulates over versions. Other tensors (float16 ones, integer counters) stay lossless.
 
 Every shipment names the digest of the weights it produces, and a delta the digest of the
 weights it applies to: a worker whose weights are not that base asks for a full copy
