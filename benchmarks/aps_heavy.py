@@ -199,7 +199,7 @@ def summarize(args: Args, saved: dict) -> str:
     lines = [
         "# APS where weights are heavy",
         "",
-        f"`{command_line(__file__, drop=['--report-only'])}` on {saved['host']}, {saved['cores']} cores, "
+        f"{' then '.join(f'`{c}`' for c in saved['commands'])} on {saved['host']}, {saved['cores']} cores, "
         f"{saved['date']}. PPO (aps_sweep.py's loop) on {saved['env']} with a {saved['policy_params']:,}-parameter "
         f"actor ({args.hidden}x{args.hidden} MLP, {saved['policy_params'] * 4 / 1e6:.1f} MB as float32), "
         f"{args.num_envs} envs on {args.num_workers} workers in another network namespace behind a tbf-limited "
@@ -217,7 +217,7 @@ def summarize(args: Args, saved: dict) -> str:
     for link in sorted({r["link_mbit"] for r in runs}):
         rows = [r for r in runs if r["link_mbit"] == link]
         lines += [
-            f"## {link:,} Mbit/s",
+            f"### {link:,} Mbit/s",
             "",
             "| strategy | weights | wall s | weight MB | link MB | pulls (delta / full, guard trips) "
             "| final return | time to target s | max KL at rollout start (before pull) |",
@@ -260,32 +260,28 @@ def table_row(cell: list[dict]) -> str:
 
 
 def targets(rows: list[dict]) -> list[str]:
-    """The issue's three ratios at this link, from the medians over seeds."""
+    """The issue's three ratios at this link, from the medians over seeds, per APS threshold run."""
 
     def cell(strategy: str, deltas: str | None) -> list[dict]:
-        return [r for r in rows if r["strategy"].startswith(strategy) and r["deltas"] == deltas]
+        return [r for r in rows if r["strategy"] == strategy and r["deltas"] == deltas]
 
-    every_full, aps_lossy = cell("EveryUpdate", None), cell("APS", "lossy")
-    out = []
-    if every_full and aps_lossy:
-        wall = median([r["wall_s"] for r in every_full]) / median([r["wall_s"] for r in aps_lossy])
-        data = median([r["weight_bytes"] for r in every_full]) / max(1, median([r["weight_bytes"] for r in aps_lossy]))
-        out.append(
-            f"- EveryUpdate with full weights takes **{wall:.2f}x** the wall-clock time of APS with lossy deltas."
-        )
-        out.append(
-            f"- APS with lossy deltas sends **{data:.1f}x** fewer weight bytes than EveryUpdate with full weights."
-        )
-    for strategy in ("EveryUpdate", "Fixed", "APS"):
-        full, lossless = cell(strategy, None), cell(strategy, "lossless")
-        if full and lossless:
-            saved = median([r["weight_bytes"] for r in full]) / max(1, median([r["weight_bytes"] for r in lossless]))
-            per_pull = (median([r["weight_bytes"] / max(1, r["pulls"]) for r in full]) or 0) / max(
-                1, median([r["weight_bytes"] / max(1, r["pulls"]) for r in lossless]) or 1
-            )
+    def ratio(key: str, over: list[dict], under: list[dict]) -> float:
+        return median([r[key] for r in over]) / max(1, median([r[key] for r in under]))
+
+    strategies = list(dict.fromkeys(r["strategy"] for r in rows))
+    every_full, out = cell("EveryUpdate", None), []
+    for aps in [s for s in strategies if s.startswith("APS")]:
+        if every_full and (lossy := cell(aps, "lossy")):
             out.append(
-                f"- {strategy}: lossless deltas send **{saved:.2f}x** fewer weight bytes than full weights "
-                f"({per_pull:.2f}x per pull)."
+                f"- EveryUpdate with full weights takes **{ratio('wall_s', every_full, lossy):.2f}x** the wall-clock "
+                f"time of {aps} with lossy deltas, which sends **{ratio('weight_bytes', every_full, lossy):.1f}x** "
+                "fewer weight bytes."
+            )
+    for strategy in strategies:
+        if (full := cell(strategy, None)) and (lossless := cell(strategy, "lossless")):
+            out.append(
+                f"- {strategy}: lossless deltas send **{ratio('weight_bytes', full, lossless):.2f}x** fewer weight "
+                "bytes than full weights."
             )
     return out
 
@@ -345,9 +341,12 @@ def main(args: Args) -> None:
             "host": platform.node(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "runs": [],
+            "commands": [],
         }
+        saved["commands"].append(f"sudo {command_line(__file__)}")
         if args.resume and path.exists():
-            saved["runs"] = json.loads(path.read_text())["runs"]
+            previous = json.loads(path.read_text())
+            saved["runs"], saved["commands"] = previous["runs"], previous.get("commands", [])
         done = {(r["link_mbit"], cell_name(r), r["seed"]) for r in saved["runs"]}
         for link in args.links:
             with netns.other_host(link) as host:
