@@ -77,9 +77,8 @@ class _WorkerPolicy:
         # them), the learner's latest outputs on one of them, and whether a pull is on its way.
         self.probe_obs: dict[int, Any] = {}
         self.learner_probe: tuple[int, int, np.ndarray] | None = None
-        self.pull_outstanding = False
-        # The outstanding pull's call number and flags: a pull sent in a call the learner has since
-        # ended (its runner's stop()) was dropped there, and is asked again in the next.
+        # The outstanding pull's call number and flags (None: no pull on its way): a pull sent in a
+        # call the learner has since ended (its runner's stop()) was dropped there, and is asked again.
         self.asked: tuple[Any, bool, bool] | None = None
         # The digest of the weights held (the base a delta names); the last rollout's probe states
         # (lockstep), and a lossy version whose guard still waits for the learner's outputs (prefetch).
@@ -107,7 +106,7 @@ class _WorkerPolicy:
         offset = self.worker.env_offset
         self.rngs = [np.random.default_rng(None if seed is None else [seed, offset + i]) for i in range(envs.num_envs)]
         self.probe_outputs, self.pending = None, None
-        self.probe_obs, self.learner_probe, self.pull_outstanding, self.asked = {}, None, False, None
+        self.probe_obs, self.learner_probe, self.asked = {}, None, None
         self.digest, self.probe_states, self.head, self.unguarded = meta["digest"], None, None, None
         return Message(Kind.VALUE)
 
@@ -126,11 +125,15 @@ class _WorkerPolicy:
         if pull:
             self.pending = request
             return self._request(request["kl"])
-        return self._act(request)[0]
+        return self._act(request)
+
+    @property
+    def pull_outstanding(self) -> bool:
+        """Prefetch mode: a pull was sent and its answer has not been loaded yet."""
+        return self.asked is not None
 
     def _ask(self, kl: float | None, *, held: bool = True, exact: bool = False) -> None:
         """Prefetch mode: send a pull without waiting for it (the answer is a PUSH_WEIGHTS, taken between steps)."""
-        self.pull_outstanding = True
         self.asked = (self.worker.mailbox.seq, held, exact)
         self.worker.send(self._request(kl, held=held, exact=exact))
 
@@ -158,15 +161,13 @@ class _WorkerPolicy:
             local_version=self.policy.version, learner_version=learner_version, kl=request["kl"]
         )
         self.head = request["head"]
-        if self.pull_outstanding and self.asked is not None and self.asked[0] != mailbox.seq:
+        if self.asked is not None and self.asked[0] != mailbox.seq:
             self._ask(request["kl"], held=self.asked[1], exact=self.asked[2])
         if pull and not self.pull_outstanding:
             self._ask(request["kl"])
-        reply, obs = self._act(request, between_steps=mailbox.poll)
+        reply = self._act(request, between_steps=mailbox.poll)
         rollout_id = int(request["rollout_id"])
-        leaves = probe_rows(obs, int(request["probe_steps"]))
-        assert self.worker.envs is not None
-        self.probe_obs[rollout_id] = unflatten(self.worker.envs.single_observation_space, leaves)
+        self.probe_obs[rollout_id] = self.probe_states  # this rollout's probe states, as _act kept them
         for old in [r for r in self.probe_obs if r < rollout_id - int(request["keep_probes"])]:
             del self.probe_obs[old]
         return Message(reply.kind, {**reply.meta, "rollout_id": rollout_id}, reply.arrays, reply.blobs)
@@ -195,7 +196,7 @@ class _WorkerPolicy:
                 if kl > meta["guard_kl"]:
                     return self._request(request["kl"], exact=True)
         self.pending = None
-        return Message(Kind.VALUE) if request is None else self._act(request)[0]
+        return Message(Kind.VALUE) if request is None else self._act(request)
 
     def push_weights(self, msg: Message) -> None:
         """The answer to a prefetching worker's pull, taken between two steps: the next step acts with it.
@@ -209,7 +210,7 @@ class _WorkerPolicy:
         if not self._take(msg):
             self._ask(None, held=False)
             return
-        self.pull_outstanding, self.asked = False, None
+        self.asked = None
         self.unguarded = (meta["version"], meta["guard_kl"]) if "guard_kl" in meta else None
         self._check_pushed()
 
@@ -250,10 +251,11 @@ class _WorkerPolicy:
         if mean_kl(self.head, outputs, self.policy.outputs(self.probe_obs[rollout_id])) > guard_kl:
             self._ask(None, exact=True)
 
-    def _act(
-        self, request: dict[str, Any], between_steps: Callable[[], None] | None = None
-    ) -> tuple[Message, list[np.ndarray]]:
-        """Act ``num_steps`` steps; the ROLLOUT_RESULT, and its observation leaves ``(T, n, ...)``."""
+    def _act(self, request: dict[str, Any], between_steps: Callable[[], None] | None = None) -> Message:
+        """Act ``num_steps`` steps; the ROLLOUT_RESULT.
+
+        Keeps the rollout's probe states and this copy's outputs on them, for the next KL check.
+        """
         envs, policy, worker = self.worker.envs, self.policy, self.worker
         assert envs is not None and policy is not None
         steps, head, n = int(request["num_steps"]), request["head"], envs.num_envs
@@ -314,7 +316,7 @@ class _WorkerPolicy:
         meta = RolloutResultMeta(version=policy.version, kl=request["kl"], restarted=restarted)
         if (usage := envs.step_clock.report()) is not None:  # once a second at most
             meta["usage"] = usage
-        return Message(Kind.ROLLOUT_RESULT, meta, rollout_frames(obs, out, next_obs), blobs), obs
+        return Message(Kind.ROLLOUT_RESULT, meta, rollout_frames(obs, out, next_obs), blobs)
 
 
 def install(worker: Worker) -> None:
