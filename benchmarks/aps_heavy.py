@@ -26,7 +26,6 @@ import logging
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,7 +43,6 @@ from aps_sweep import Args as SweepArgs  # noqa: E402
 from report import command_line  # noqa: E402
 
 from clusterenv import ClusterEnv, LossyWeights  # noqa: E402
-from clusterenv.wire.transport import SECRET_ENV_VAR  # noqa: E402
 from tests import netns  # noqa: E402
 
 log = logging.getLogger("aps_heavy")
@@ -126,17 +124,7 @@ def time_to_target(curve: list[dict], target: float) -> float | None:
 def run_cell(host: netns.OtherHost, args: Args, link: str, cell: str, seed: int) -> dict:
     """One PPO run with its workers on the other host; the JSON row of the issue's form, and more."""
     spec, weights = cell.split("/")
-    address = f"tcp://{host.learner_ip}:{netns.free_port(host.learner_ip)}"
-    child = {**os.environ, SECRET_ENV_VAR: SECRET, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    workers = [
-        host.popen(
-            [sys.executable, "-m", "clusterenv.worker", "--connect", address, "--worker-id", str(w)],
-            env=child,
-            stdout=subprocess.DEVNULL,
-        )
-        for w in range(args.num_workers)
-    ]
-    try:
+    with netns.external_workers(host, args.num_workers, SECRET) as address:
         with ClusterEnv(
             [make_env] * args.num_envs, num_workers=args.num_workers, bind=address, secret=SECRET, launcher="external"
         ) as envs:
@@ -150,13 +138,6 @@ def run_cell(host: netns.OtherHost, args: Args, link: str, cell: str, seed: int)
                 weights=weights_option(weights),
             )
             result["link_bytes"] = host.rx_bytes() + host.tx_bytes() - moved
-    finally:
-        for worker in workers:
-            try:
-                worker.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                worker.kill()
-                worker.wait()
     measured = [
         (kl, pulled) for kl, pulled in zip(result["start_kls"], result["start_pulled"], strict=True) if kl is not None
     ]

@@ -30,7 +30,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,7 +46,6 @@ from bench_envs import FrameReplayEnv, record_breakout  # noqa: E402
 from report import command_line  # noqa: E402
 
 from clusterenv import APS, ClusterEnv, PolicyRunner  # noqa: E402
-from clusterenv.wire.transport import SECRET_ENV_VAR  # noqa: E402
 from tests import netns  # noqa: E402
 
 RESULTS_DIR = ROOT / "results"
@@ -89,17 +87,7 @@ class Actor(torch.nn.Module):
 
 def run_cell(host: netns.OtherHost, env_fns: list, workload: str, codec: str, args: Args) -> tuple[float, float]:
     """``(env-steps/s, link bytes per env step)`` of one run, its workers started on the other host."""
-    address = f"tcp://{host.learner_ip}:{netns.free_port(host.learner_ip)}"
-    child = {**os.environ, SECRET_ENV_VAR: SECRET, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    workers = [
-        host.popen(
-            [sys.executable, "-m", "clusterenv.worker", "--connect", address, "--worker-id", str(w)],
-            env=child,
-            stdout=subprocess.DEVNULL,
-        )
-        for w in range(args.num_workers)
-    ]
-    try:
+    with netns.external_workers(host, args.num_workers, SECRET) as address:
         with ClusterEnv(
             env_fns,
             num_workers=args.num_workers,
@@ -129,13 +117,6 @@ def run_cell(host: netns.OtherHost, env_fns: list, workload: str, codec: str, ar
                 env_steps += step()
             elapsed = time.perf_counter() - started
             moved = host.rx_bytes() + host.tx_bytes() - moved
-    finally:
-        for worker in workers:
-            try:
-                worker.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                worker.kill()
-                worker.wait()
     return env_steps / elapsed, moved / env_steps
 
 

@@ -16,12 +16,15 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import closing
 from dataclasses import dataclass
 
-__all__ = ["OtherHost", "free_port", "other_host", "rate_bits", "unavailable"]
+from clusterenv.wire.transport import SECRET_ENV_VAR
+
+__all__ = ["OtherHost", "external_workers", "free_port", "other_host", "rate_bits", "unavailable"]
 
 _SUBNET = "10.213"
 _TBF_LATENCY = "50ms"
@@ -72,6 +75,28 @@ class OtherHost:
         """Bytes this side has sent to the other host so far."""
         with open(f"/sys/class/net/{self.device}/statistics/tx_bytes") as f:
             return int(f.read())
+
+
+@contextlib.contextmanager
+def external_workers(host: OtherHost, count: int, secret: str) -> Iterator[str]:
+    """Workers ``0..count-1`` started on the other host; yields the address they connect to.
+
+    The learner binds that address with ``launcher="external"`` and ``secret``. At exit each
+    worker gets 10 s to end (it does once the learner closes), then it is killed.
+    """
+    address = f"tcp://{host.learner_ip}:{free_port(host.learner_ip)}"
+    child = {**os.environ, SECRET_ENV_VAR: secret, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    command = [sys.executable, "-m", "clusterenv.worker", "--connect", address, "--worker-id"]
+    workers = [host.popen([*command, str(w)], env=child, stdout=subprocess.DEVNULL) for w in range(count)]
+    try:
+        yield address
+    finally:
+        for worker in workers:
+            try:
+                worker.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
 
 
 def free_port(host: str) -> int:
