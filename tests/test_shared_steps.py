@@ -211,6 +211,7 @@ def test_a_killed_worker_is_replaced_and_its_replacement_steps_through_shared_me
         for t in range(3):
             assert_same(reference.step(np.array([t % 2] * 4))[0], envs.step(np.array([t % 2] * 4))[0])
         victim = envs.worker_info[1]["pid"]
+        os.kill(victim, signal.SIGSTOP)  # so that it cannot answer before the kill lands
         envs.step_async(np.array([1, 0, 1, 0]))
         os.kill(victim, signal.SIGKILL)  # while its step is in flight
         obs, rewards, terminations, truncations, infos = envs.step_wait()
