@@ -66,6 +66,17 @@ def kill(envs: ClusterEnv, worker_ids=LOST) -> list[int]:
     return pids
 
 
+def kill_mid_step(envs: ClusterEnv, actions: np.ndarray, worker_ids=LOST) -> list[int]:
+    """``step_async(actions)`` with workers ``worker_ids`` killed while their step is in flight, never after it."""
+    pids = [envs.worker_info[w]["pid"] for w in worker_ids]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)  # so that none can answer before its kill lands
+    envs.step_async(actions)
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    return pids
+
+
 def scratch_dirs() -> set[str]:
     """This learner's scratch directories (their names carry its pid, see clusterenv/wire/cleanup.py)."""
     found = set()
@@ -99,8 +110,7 @@ def test_two_of_eight_workers_killed_mid_step_move_their_envs_and_the_rest_stay_
             assert_same(obs, reference.step(ACTIONS[t])[0])
         last_obs = obs.copy()
 
-        envs.step_async(ACTIONS[4])  # each worker now sleeps 0.1 s in its envs' step
-        lost_pids = kill(envs)
+        lost_pids = kill_mid_step(envs, ACTIONS[4])
         obs, rewards, terminations, truncations, infos = envs.step_wait()
         ref_obs, ref_rewards, ref_terminations, ref_truncations, _ = reference.step(ACTIONS[4])
 

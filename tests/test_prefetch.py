@@ -13,6 +13,7 @@ from gymnasium.error import AlreadyPendingCallError
 from gymnasium.vector import SyncVectorEnv
 
 from clusterenv import ClusterEnv, EveryUpdate, FixedInterval, Greedy, Never, PolicyError, PolicyRunner, WorkerLostError
+from tests.conftest import wait_until
 from tests.envs import SlowCartPole
 from tests.policies import linear_policy, outputs
 
@@ -125,9 +126,15 @@ def test_at_most_prefetch_batches_are_held_when_the_learner_stops_asking():
     with cartpoles(2, 2) as envs:
         runner = PolicyRunner(envs, linear_policy(4, 2, seed=0), seed=0, prefetch=2)
         runner.rollout(4)
-        time.sleep(1.0)  # ample time for the workers to finish all they were asked for
-        runner.publish()  # reads what arrived
-        assert runner.prefetch_backlog == [(2, 0), (2, 0)], "two results held per worker, nothing in flight"
+
+        def all_held():
+            runner.publish()  # reads what arrived
+            return runner.prefetch_backlog == [(2, 0), (2, 0)]
+
+        assert wait_until(all_held, timeout=30), "two results held per worker, nothing in flight"
+        time.sleep(0.5)  # and no more come
+        runner.publish()
+        assert runner.prefetch_backlog == [(2, 0), (2, 0)]
         assert len(runner.stop()) == 2
         assert runner.prefetch_backlog == [(0, 0), (0, 0)]
 

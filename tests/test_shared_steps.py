@@ -190,11 +190,18 @@ def test_a_step_interrupted_by_ctrl_c_is_finished_by_step_wait():
         closing(SyncVectorEnv(slow)) as reference,
     ):
         assert_same(reference.reset(seed=1), envs.reset(seed=1))
+        pids = [w["pid"] for w in envs.worker_info]
         timer = threading.Timer(0.1, _thread.interrupt_main)
-        timer.start()
-        with pytest.raises(KeyboardInterrupt):
-            envs.step(np.array([0, 1]))
-        timer.join()
+        try:
+            for pid in pids:  # frozen, so that the step is surely still in flight when Ctrl-C comes
+                os.kill(pid, signal.SIGSTOP)
+            timer.start()
+            with pytest.raises(KeyboardInterrupt):
+                envs.step(np.array([0, 1]))
+            timer.join()
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
         with pytest.raises(AlreadyPendingCallError):
             envs.reset()
         assert_same(reference.step(np.array([0, 1])), envs.step_wait())
