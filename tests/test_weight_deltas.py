@@ -130,6 +130,18 @@ def test_a_pull_sent_while_a_push_was_on_its_way_gets_a_delta_from_the_push(two_
     assert meta["encoding"] == "lossless" and meta["base"] == pushed["digest"]
 
 
+def test_workers_at_the_same_version_share_one_encoding_of_their_lossless_delta(two_versions):
+    first, second = two_versions
+    third = [second[0] * np.float32(1.5)]
+    shipments = WeightShipments("lossless", Telemetry([WorkerTelemetry(w) for w in range(3)]), lambda w: None)
+    for w in range(3):
+        shipments.installed(w, 0, first)
+    to_second = [shipments.shipment(w, 1, second)[1] for w in range(3)]
+    assert all(frames is to_second[0] for frames in to_second), "one encoding of the delta from 0 to 1"
+    to_third = [shipments.shipment(w, 2, third)[1] for w in range(3)]
+    assert all(frames is to_third[0] for frames in to_third) and to_third[0] is not to_second[0]
+
+
 def test_a_lossy_delta_goes_only_where_the_guard_can_check_it(two_versions):
     first, second = two_versions
     telemetry = Telemetry([WorkerTelemetry(0)])

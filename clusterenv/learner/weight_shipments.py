@@ -64,8 +64,8 @@ class WeightShipments:
         self._held: dict[int, _Held] = {}
         self._passed: dict[int, deque[bytes]] = {}  # per worker, the digests of the states before its record
         self._latest: tuple[int, bytes] | None = None  # the digest of the latest version's snapshot
-        # The latest version's lossless delta frames, by (exact base version, version).
-        self._lossless: dict[tuple[int, int], list[np.ndarray]] = {}
+        # The latest version, and its lossless delta frames by the exact base version they apply to.
+        self._lossless: tuple[int, dict[int, list[np.ndarray]]] = (-1, {})
 
     def encoding_for(self, worker_id: int) -> WeightsSpec:
         """The encoding worker ``worker_id`` gets: ``spec``, or by default lossless to another host, else full."""
@@ -155,14 +155,17 @@ class WeightShipments:
         assert record.arrays is not None
         if bits is not None or not record.exact:
             return encode_delta(record.arrays, weights, bits)
-        frames = self._lossless.get((record.version, version))
+        cached_version, by_base = self._lossless
+        if cached_version != version:  # a new version: the older ones' deltas are never sent again
+            by_base = {}
+            self._lossless = (version, by_base)
+        frames = by_base.get(record.version)
         if frames is None:
-            frames = self._lossless[record.version, version] = encode_delta(record.arrays, weights, None)[0]
+            frames = by_base[record.version] = encode_delta(record.arrays, weights, None)[0]
         return frames, [None] * len(frames), weights
 
     def _digest(self, version: int, weights: list[np.ndarray]) -> bytes:
-        """The digest of the learner's snapshot of ``version`` (once per version; a new one clears the cache)."""
+        """The digest of the learner's snapshot of ``version``, computed once per version."""
         if self._latest is None or self._latest[0] != version:
             self._latest = (version, digest(weights))
-            self._lossless.clear()
         return self._latest[1]
