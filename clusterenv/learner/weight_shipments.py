@@ -110,8 +110,10 @@ class WeightShipments:
             guarded: the worker can check a lossy delta (it has the learner's outputs at ``version``).
         """
         record, encoding = self._held.get(worker_id), self.encoding_for(worker_id)
-        held = record.digest if request is None and record is not None else None if request is None else request["held"]
-        exact = request is not None and request["exact"]
+        if request is not None:  # a pull names what the worker holds
+            held, exact = request["held"], request["exact"]
+        else:  # a push goes from the record
+            held, exact = (None if record is None else record.digest), False
         telemetry = self._telemetry.workers[worker_id]
         if exact:
             telemetry.guard_trips += 1
