@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Iterator
 
@@ -44,6 +45,20 @@ def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
             return True
         time.sleep(interval)
     return predicate()
+
+
+def kill_mid_step(envs, actions: np.ndarray, worker_ids) -> list[int]:
+    """``envs.step_async(actions)`` with workers ``worker_ids`` killed while their step is in flight; their pids.
+
+    Each is frozen before the step goes out, so that none can answer before its kill lands.
+    """
+    pids = [envs.worker_info[w]["pid"] for w in worker_ids]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    envs.step_async(actions)
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    return pids
 
 
 @pytest.fixture(autouse=True)

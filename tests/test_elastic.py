@@ -25,7 +25,7 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from clusterenv import ClusterEnv, PolicyRunner, WorkerLostError
 from clusterenv.launch.launchers import LocalLauncher
 from clusterenv.wire.liveness import Heartbeat
-from tests.conftest import assert_same, child_pids, pid_alive, wait_until
+from tests.conftest import assert_same, child_pids, kill_mid_step, pid_alive, wait_until
 from tests.envs import SlowCartPole
 from tests.policies import linear_policy
 from tests.test_remote import FAST as REMOTE_FAST
@@ -66,17 +66,6 @@ def kill(envs: ClusterEnv, worker_ids=LOST) -> list[int]:
     return pids
 
 
-def kill_mid_step(envs: ClusterEnv, actions: np.ndarray, worker_ids=LOST) -> list[int]:
-    """``step_async(actions)`` with workers ``worker_ids`` killed while their step is in flight, never after it."""
-    pids = [envs.worker_info[w]["pid"] for w in worker_ids]
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)  # so that none can answer before its kill lands
-    envs.step_async(actions)
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
-    return pids
-
-
 def scratch_dirs() -> set[str]:
     """This learner's scratch directories (their names carry its pid, see clusterenv/wire/cleanup.py)."""
     found = set()
@@ -110,7 +99,7 @@ def test_two_of_eight_workers_killed_mid_step_move_their_envs_and_the_rest_stay_
             assert_same(obs, reference.step(ACTIONS[t])[0])
         last_obs = obs.copy()
 
-        lost_pids = kill_mid_step(envs, ACTIONS[4])
+        lost_pids = kill_mid_step(envs, ACTIONS[4], LOST)
         obs, rewards, terminations, truncations, infos = envs.step_wait()
         ref_obs, ref_rewards, ref_terminations, ref_truncations, _ = reference.step(ACTIONS[4])
 

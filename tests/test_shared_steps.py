@@ -46,7 +46,7 @@ from clusterenv.wire.step_region import (
     write_infos,
 )
 from clusterenv.wire.transport import WAKE_UP
-from tests.conftest import assert_same, pid_alive, wait_until
+from tests.conftest import assert_same, kill_mid_step, pid_alive, wait_until
 from tests.envs import ScalarInfoCartPole, SlowCartPole, SparseInfoRichEnv, TextObsEnv
 from tests.test_equivalence import MODES, run_lockstep
 from tests.test_first_ready import alone, env_obs, env_row
@@ -217,10 +217,7 @@ def test_a_killed_worker_is_replaced_and_its_replacement_steps_through_shared_me
         assert_same(reference.reset(seed=5)[0], envs.reset(seed=5)[0])
         for t in range(3):
             assert_same(reference.step(np.array([t % 2] * 4))[0], envs.step(np.array([t % 2] * 4))[0])
-        victim = envs.worker_info[1]["pid"]
-        os.kill(victim, signal.SIGSTOP)  # so that it cannot answer before the kill lands
-        envs.step_async(np.array([1, 0, 1, 0]))
-        os.kill(victim, signal.SIGKILL)  # while its step is in flight
+        [victim] = kill_mid_step(envs, np.array([1, 0, 1, 0]), [1])
         obs, rewards, terminations, truncations, infos = envs.step_wait()
         ref_obs, ref_rewards, *_ = reference.step(np.array([1, 0, 1, 0]))
         assert_same(obs[:2], ref_obs[:2])
