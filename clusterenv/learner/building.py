@@ -29,6 +29,9 @@ class BuiltEnvs:
 
     metadata: dict[str, Any]
     render_mode: str | None
+    #: Whether env 0 refuses a step before its first reset itself (``OrderEnforcing``, as ``gym.make`` wraps):
+    #: ``SyncVectorEnv`` then raises ``ResetNeeded`` before any env steps.
+    first_env_enforces_order: bool
     single_observation_space: spaces.Space
     observation_space: spaces.Space
     single_action_space: spaces.Space
@@ -46,6 +49,7 @@ def build_envs(
     procs_per_worker: int,
     max_env_errors: int | None,
     shared_memory: bool,
+    spin_us: float | None,
     timeout: float,
 ) -> BuiltEnvs:
     """Send every worker its INIT, wait for the envs to be built, and derive the batch from what they report.
@@ -61,6 +65,7 @@ def build_envs(
             of its steps (``None``: errors raise).
         shared_memory: whether workers on this host may step through shared memory
             (``step_buffers.share_steps``), or else write large observations into it.
+        spin_us: how each side of the shared step path waits (:class:`~clusterenv.learner.shared_steps.SharedSteps`).
         timeout: seconds for every worker to build its envs.
     """
     custom = isinstance(observation_mode, tuple)
@@ -85,7 +90,7 @@ def build_envs(
     same = observation_mode == "same" or custom
     region = shared = None
     if same and shared_memory:
-        region = share_steps(pool, single_observation_space, single_action_space, slices, timeout)
+        region = share_steps(pool, single_observation_space, single_action_space, slices, timeout, spin_us)
         shared = (
             region.observations
             if region is not None
@@ -95,6 +100,7 @@ def build_envs(
     return BuiltEnvs(
         metadata={**descriptions[0]["metadata"], "autoreset_mode": autoreset_mode},
         render_mode=descriptions[0]["render_mode"],
+        first_env_enforces_order=bool(descriptions[0]["enforces_order"][0]),
         single_observation_space=single_observation_space,
         observation_space=observation_space,
         single_action_space=single_action_space,

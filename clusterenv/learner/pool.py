@@ -17,11 +17,12 @@ pool does the messaging itself, in one receive loop (:meth:`WorkerPool._await`) 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import secrets
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -34,11 +35,12 @@ from clusterenv.learner.cuts import Cut, CutLedger
 from clusterenv.learner.heartbeat_monitor import LIVENESS_POLL_S, HeartbeatMonitor
 from clusterenv.learner.membership import Membership, Received
 from clusterenv.learner.recovery import LOST_AGAIN, Action, Recovery, Step, remote_error
-from clusterenv.learner.shared_steps import SharedSteps
+from clusterenv.learner.shared_steps import NOT_YET, SharedSteps
 from clusterenv.learner.timing import StepTiming
 from clusterenv.wire.cleanup import remove_stale_dirs
 from clusterenv.wire.liveness import Heartbeat, heartbeat_address
 from clusterenv.wire.messages import EnvsMeta, UsageReport, usage_report
+from clusterenv.wire.pipes import WAKE_READ_TIMEOUT_S
 from clusterenv.wire.protocol import Kind, Message
 from clusterenv.wire.safe_pickle import loader
 from clusterenv.wire.step_region import StepRegion
@@ -71,8 +73,6 @@ LATENCY_WINDOW = 256
 #: what that process needs before the worker's pending command is recovered (see ``FollowUp``).
 RestartHook = Callable[[int], Iterable[FollowUp] | None]
 _SHARED: list[Any] = []  # send_each's mark for a command that goes into the step region, not onto the wire
-# What step_shared() records as each worker's command: a lockstep step, whose loss cuts the episodes.
-_SHARED_STEP = SentCommand(Kind.STEP, None, (), (), OnLoss.INTERRUPT)
 _R = TypeVar("_R")
 
 
@@ -200,6 +200,10 @@ class WorkerPool:
         #: interrupted step here; recycling and rebalancing there), for the stepping modes to report.
         self.cuts = CutLedger()
         self._awaiting: set[int] = set()  # workers whose latest command has had no reply yet
+        # The current call's commands recorded but not yet delivered, and the replies taken but not yet
+        # returned: a gather interrupted anywhere (Ctrl-C) leaves both here, and the next one goes on from them.
+        self._unsent: set[int] = set()
+        self._replies: dict[int, Message] = {}
         self._failed: set[int] = set()  # workers found lost, until recovery gives them a new host
         # Replies of the current call that arrived while a gather waited for others (streaming calls).
         self._stash: list[tuple[int, Message]] = []
@@ -227,17 +231,26 @@ class WorkerPool:
             info["step_path"] = "messages" if self.step_path is None else self.step_path.path_of(info["serves"])
         return described
 
+    @property
+    def learner_info(self) -> dict[str, Any]:
+        """What :attr:`ClusterEnv.learner_info <clusterenv.ClusterEnv.learner_info>` shows."""
+        info = self.timing.summary()
+        if self.step_path is not None:
+            info.update(self.step_path.describe())
+        return info
+
     def can_wake(self, worker_id: int) -> bool:
         """Whether worker ``worker_id``'s process has a wake socket: the shared step path can reach it."""
         return self._channel.can_wake(self.members.identities.get(worker_id))
 
-    def share_steps(self, region: StepRegion, timeout: float | None) -> set[int]:
+    def share_steps(self, region: StepRegion, timeout: float | None, spin_us: float | None = None) -> set[int]:
         """Put every worker that can on the shared step path through ``region``; the workers that joined it.
 
         Restarted and moved workers join it again once their envs are rebuilt (a restart hook
-        that runs before any other). If none joined, the pool has no step path.
+        that runs before any other). If none joined, the pool has no step path. ``spin_us``:
+        how each side waits (:class:`~clusterenv.learner.shared_steps.SharedSteps`).
         """
-        path = SharedSteps(region, self._channel, self.members, timeout)
+        path = SharedSteps(region, self._channel, self.members, timeout, spin_us)
         try:
             offers = {w: offer for w in range(self.num_workers) if (offer := path.offer(w)) is not None}
             if offers:
@@ -314,6 +327,8 @@ class WorkerPool:
         """Start a new call: replies to earlier ones are ignored from now on."""
         self.seq += 1
         self._stash.clear()
+        self._unsent.clear()
+        self._replies.clear()
         return self.seq
 
     def send(
@@ -356,6 +371,8 @@ class WorkerPool:
         sent_at = time.monotonic()
         if kind is Kind.STEP:
             self.timing.start()
+        # Every command is recorded before the first leaves: if sending is interrupted (Ctrl-C), the gather
+        # that follows delivers the rest (_deliver_unsent).
         for (worker_id, frames), (meta, arrays, blobs) in zip(encoded, commands.values(), strict=True):
             if on_loss is not None:  # a command, not a message that serves one (weights, probe outputs)
                 self._last_sent[worker_id] = SentCommand(kind, meta, arrays, blobs, on_loss)
@@ -363,18 +380,47 @@ class WorkerPool:
                 self._awaiting.add(worker_id)
             if frames is None:
                 self._failed.add(worker_id)
+            else:
+                self._unsent.add(worker_id)
+        for worker_id, frames in encoded:
+            if frames is not None:
+                self._deliver(worker_id, frames, kind)
+
+    def _deliver(self, worker_id: int, frames: list[Any], kind: Kind) -> None:
+        """Send one encoded command (``_SHARED``: into the step region); a worker found gone is lost."""
+        path, members = self.step_path, self.members
+        try:
+            if frames is _SHARED:
+                assert path is not None
+                path.send(worker_id, self._last_sent[worker_id].arrays, self.seq)
+            else:
+                self._channel.send_frames(frames, to=members.identities[worker_id])
+                if path is not None:
+                    path.announce(members.serving[worker_id])
+        except zmq.ZMQError as exc:
+            if self.recovery.on_worker_failure == "raise":
+                raise self._fatal(self.recovery.lost_error(worker_id, f"sending {kind.name}")) from exc
+            logger.warning("Worker %d is unreachable (%s); it is taken as lost.", worker_id, str(exc))
+            self._failed.add(worker_id)
+        self._unsent.discard(worker_id)
+
+    def _deliver_unsent(self, worker_ids: set[int]) -> None:
+        """Deliver the commands of ``worker_ids`` that an interrupted send left recorded but not sent."""
+        path = self.step_path
+        for worker_id in sorted(worker_ids & self._unsent):
+            sent = self._last_sent[worker_id]
+            if path is not None and path.resume(worker_id, self.seq):
+                self._unsent.discard(worker_id)
                 continue
-            try:
-                if frames is _SHARED:
-                    assert path is not None
-                    path.send(worker_id, arrays, self.seq)
-                else:
-                    self._channel.send_frames(frames, to=members.identities[worker_id])
-            except zmq.ZMQError as exc:
-                if self.recovery.on_worker_failure == "raise":
-                    raise self._fatal(self.recovery.lost_error(worker_id, f"sending {kind.name}")) from exc
-                logger.warning("Worker %d is unreachable (%s); it is taken as lost.", worker_id, str(exc))
-                self._failed.add(worker_id)
+            on_path = path is not None and worker_id in path.on_path and not sent.meta and not sent.blobs
+            if on_path and sent.kind is Kind.STEP and path is not None and path.takes(sent.arrays, worker_id):
+                frames = _SHARED
+            else:
+                header = self._header(worker_id, sent.meta)
+                frames = self._channel.frames(
+                    sent.kind, header, sent.arrays, sent.blobs, to=self.members.identities[worker_id]
+                )
+            self._deliver(worker_id, frames, sent.kind)
 
     def can_step_shared(self) -> bool:
         """Whether a lockstep step of every worker can go through the shared step path alone (:meth:`step_shared`)."""
@@ -389,21 +435,29 @@ class WorkerPool:
         """A lockstep STEP of every worker, all on the shared step path: what ``send_each`` and ``gather`` would do.
 
         The batch's actions go into the region at once, and the command each worker would be
-        sent is recorded for recovery (a lost worker's episodes are cut, :data:`OnLoss.INTERRUPT`).
-        Returns the replies, as :meth:`gather` does.
+        sent is recorded for recovery (a lost worker's episodes are cut, :data:`OnLoss.INTERRUPT`)
+        and for an interrupted send. Returns the replies, as :meth:`gather` does.
         """
         path = self.step_path
         assert path is not None
         workers = range(self.num_workers)
         self.timing.start()
-        self._last_sent.update(dict.fromkeys(workers, _SHARED_STEP))
-        self._sent_at.update(dict.fromkeys(workers, time.monotonic()))
+        sent_at = time.monotonic()
+        for worker_id, sl in enumerate(path.region.slices):
+            self._last_sent[worker_id] = SentCommand(
+                Kind.STEP, None, [leaf[sl] for leaf in actions], (), OnLoss.INTERRUPT
+            )
+            self._sent_at[worker_id] = sent_at
         self._awaiting.update(workers)
-        for worker_id in path.send_all(actions, self.seq):
-            if self.recovery.on_worker_failure == "raise":
-                raise self._fatal(self.recovery.lost_error(worker_id, "sending STEP"))
-            logger.warning("Worker %d is unreachable; it is taken as lost.", worker_id)
-            self._failed.add(worker_id)
+        self._unsent.update(workers)
+        path.write_actions(actions)
+        for worker_id in workers:
+            if not path.command(worker_id, self.seq):
+                if self.recovery.on_worker_failure == "raise":
+                    raise self._fatal(self.recovery.lost_error(worker_id, "sending STEP"))
+                logger.warning("Worker %d is unreachable; it is taken as lost.", worker_id)
+                self._failed.add(worker_id)
+            self._unsent.discard(worker_id)
         return self.gather(workers, doing, timeout)
 
     def _header(self, worker_id: int, meta: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -444,15 +498,17 @@ class WorkerPool:
                 reset does); ``False`` for calls whose exception is the caller's business
                 (an attribute read), which leave every env as it was.
         """
-        replies: dict[int, Message] = {}
-        pending, started = set(worker_ids), time.monotonic()
+        started, replies = time.monotonic(), self._replies
+        pending = {w for w in worker_ids if w not in replies}
+        if self._unsent:
+            self._deliver_unsent(pending)
         if self.step_path is not None and on_request is None:
-            self._gather_woken(pending, replies)
-            pending -= replies.keys()
+            self._await_shared(pending, replies)
         lost = self._await(pending, replies, doing, timeout, on_request, errors_close, started) if pending else set()
         if lost:
             self._carry_out(self.recovery.plan(lost, self._last_sent), replies, doing)
-        return replies
+        gathered, self._replies = replies, {}
+        return gathered
 
     def request(
         self,
@@ -491,10 +547,15 @@ class WorkerPool:
                     self._stash.extend(replayed.items())
                 continue
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            received = self._next_reply(
-                doing, LIVENESS_POLL_S if remaining is None else min(LIVENESS_POLL_S, remaining)
-            )
+            in_flight = set() if self.step_path is None else set(self.step_path.in_flight_workers())
+            with self._woken_by(in_flight):
+                if self._take_shared(in_flight):
+                    continue  # the words of a worker on the shared step path said it answered
+                received = self._next_reply(
+                    doing, LIVENESS_POLL_S if remaining is None else min(LIVENESS_POLL_S, remaining)
+                )
             if received is not None:
+                self._taken(*received)
                 return received
             if deadline is not None and time.monotonic() >= deadline and not self._stash:
                 return None
@@ -531,7 +592,10 @@ class WorkerPool:
                         "environments are this slow."
                     )
                 )
-            received = self._next_reply(doing, LIVENESS_POLL_S, errors_close)
+            with self._woken_by(pending):
+                if self._take_shared(pending, replies):
+                    continue  # the words of a worker on the shared step path said it answered
+                received = self._next_reply(doing, LIVENESS_POLL_S, errors_close)
             if received is None:
                 found = self._check_alive(pending, doing)
                 pending -= found
@@ -541,11 +605,56 @@ class WorkerPool:
             if on_request is not None and worker_id in pending and on_request(worker_id, msg):
                 continue
             if worker_id in pending:
-                pending.discard(worker_id)
-                replies[worker_id] = msg
+                self._take(worker_id, msg, replies, pending)
             else:
                 self._stash.append(received)  # a streaming call's reply, for receive()
+                self._taken(worker_id, msg)
         return lost
+
+    def _take(self, worker_id: int, msg: Message, replies: dict[int, Message], pending: set[int]) -> None:
+        """Take ``msg`` as worker ``worker_id``'s reply: kept in ``replies`` before anything else forgets it."""
+        replies[worker_id] = msg
+        pending.discard(worker_id)
+        self._taken(worker_id, msg)
+
+    def _taken(self, worker_id: int, msg: Message) -> None:
+        """A reply is kept by its caller: the step path's record of it can go, its latency and usage are noted."""
+        if self.step_path is not None:
+            self.step_path.taken(worker_id)
+        self._note_reply(worker_id, msg)
+
+    def _take_shared(self, pending: set[int], replies: dict[int, Message] | None = None) -> bool:
+        """Take the replies that the words of ``pending`` workers on the shared step path show; whether any.
+
+        Into ``replies``; ``None``: onto the stash, for :meth:`receive`.
+        """
+        path = self.step_path
+        if path is None:
+            return False
+        took = False
+        for worker_id in sorted(w for w in pending if path.in_flight(w)):
+            msg = self._shared_reply(worker_id, WAKE_UP)
+            if msg is None:
+                continue
+            if replies is None:
+                self._stash.append((worker_id, msg))
+                self._taken(worker_id, msg)
+            else:
+                self._take(worker_id, msg, replies, pending)
+            took = True
+        return took
+
+    @contextlib.contextmanager
+    def _woken_by(self, worker_ids: Iterable[int]) -> Iterator[None]:
+        """While the learner blocks: the workers of ``worker_ids`` on the shared step path wake it when they answer."""
+        path = self.step_path
+        asked = [] if path is None else path.ask_wake_ups(worker_ids)
+        try:
+            yield
+        finally:
+            if asked:
+                assert path is not None
+                path.stop_wake_ups(asked)
 
     def _next_reply(self, doing: str, wait: float, errors_close: bool = True) -> tuple[int, Message] | None:
         """The one receive step: the next reply to the current call, or ``None`` if ``wait`` s passed without one.
@@ -571,7 +680,7 @@ class WorkerPool:
             if worker_id is not None and (msg.kind is Kind.WAKE_UP or "step" in msg.meta):
                 shared = self._shared_reply(worker_id, msg)
                 if shared is None:
-                    continue  # a wake-up after a reply message: that message is the reply
+                    continue  # a wake-up whose worker has no reply in the region (yet, or its message is it)
                 msg = shared
             if worker_id is None or msg.meta.get("seq") != self.seq:
                 continue  # a reply to a call that timed out earlier, or a stray peer
@@ -579,7 +688,6 @@ class WorkerPool:
                 error = remote_error(worker_id, msg, doing, self.loads)
                 # The env's state is unknown after its error, so the workers are closed (unless the caller says not).
                 raise self._fatal(error, terminate=False) if errors_close else error
-            self._note_reply(worker_id, msg)
             return worker_id, msg
         return None
 
@@ -591,30 +699,28 @@ class WorkerPool:
             self._usage[worker_id] = usage
         self._awaiting.discard(worker_id)
 
-    def _gather_woken(self, pending: set[int], replies: dict[int, Message]) -> None:
-        """Take the replies of ``pending`` workers on the shared step path from their wake-ups alone.
+    def _await_shared(self, pending: set[int], replies: dict[int, Message]) -> None:
+        """Take the replies of ``pending`` workers on the shared step path by waiting on their words alone.
 
-        The shared step path's receive: every step there ends with a wake-up, so a blocking read
-        of each worker's wake socket in turn is the whole wait. Replies that are messages,
-        anything read earlier, nothing within ``WAKE_READ_TIMEOUT_S``: :meth:`_await` goes on
-        from there. Once every ``LIVENESS_POLL_S`` it leaves the whole call to :meth:`_await`,
-        which also reads the socket (joins, remote workers' messages) and checks liveness.
+        The shared step path's receive: every step there ends with the worker's reply words, so
+        reading them (spinning, then a blocking read of its wake socket) is the whole wait.
+        Replies that are messages, a worker not on the path, nothing within
+        ``WAKE_READ_TIMEOUT_S``: :meth:`_await` goes on from there. Once every ``LIVENESS_POLL_S``
+        it leaves the whole call to :meth:`_await`, which also reads the socket (joins, remote
+        workers' messages) and checks liveness.
         """
-        path, members = self.step_path, self.members
+        path = self.step_path
         assert path is not None
         if self._unread or time.monotonic() >= self._socket_due:
             self._socket_due = time.monotonic() + LIVENESS_POLL_S
             return
-        waiting = [w for w in pending if path.in_flight(w)]
-        if len(waiting) != len(pending):
-            return
-        by_identity = {members.identities[w]: w for w in waiting}
-        for identity in self._channel.await_wake_ups(list(by_identity)):
-            worker_id = by_identity[identity]
-            msg = self._shared_reply(worker_id, WAKE_UP)
-            if msg is not None and msg.meta["seq"] == self.seq:  # else its message follows, or an earlier call's
-                self._note_reply(worker_id, msg)
-                replies[worker_id] = msg
+        for worker_id in sorted(pending):
+            if not path.in_flight(worker_id):
+                return
+            msg = path.await_reply(worker_id, WAKE_READ_TIMEOUT_S)
+            if msg is NOT_YET or msg is None:
+                return
+            self._take(worker_id, msg, replies, pending)
 
     def _shared_reply(self, worker_id: int, msg: Message) -> Message | None:
         """The RESULT a shared step path reply stands for (``None``: a message follows); fatal if it answers nothing."""

@@ -1,19 +1,22 @@
 """``SharedSteps``: the learner's side of the shared step path, for the workers it started on its own host.
 
 A plain STEP to a worker on this path is its actions written into its rows of the
-:class:`~clusterenv.wire.step_region.StepRegion`, a command counter, and one wake-up byte;
-its reply is a wake-up byte back (or, when the step has infos or a usage report, a small
-message), after which its observations, rewards and flags are in the region. The pool
-calls :meth:`SharedSteps.send` and :meth:`SharedSteps.reply` in place of encoding and
-decoding those messages; everything else (other commands, errors, liveness, recovery) is
-the message path's. Which workers are on the path is decided per worker: a worker whose
-process has a wake socket and whose own spaces give the region's layout.
+:class:`~clusterenv.wire.step_region.StepRegion` and a command counter (a wake-up byte only
+if the worker sleeps); its reply is the reply counter and a final status in its header (a
+small message first, when the step has infos or a usage report), after which its
+observations, rewards and flags are in the region. The learner waits for a reply by reading
+the worker's words, spinning for a while and then blocking on its wake socket
+(:meth:`SharedSteps.await_reply`); what the words say is the truth, so a wait interrupted
+anywhere (Ctrl-C) loses nothing that the next wait would not find. Everything else (other
+commands, errors, liveness, recovery) is the message path's. Which workers are on the path
+is decided per worker: a worker whose process has a wake socket and whose own spaces give
+the region's layout.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
@@ -24,10 +27,29 @@ from clusterenv.learner.commands import FollowUp, OnLoss
 from clusterenv.learner.membership import Membership
 from clusterenv.wire.messages import ValueMeta, meta_of
 from clusterenv.wire.protocol import Kind, Message
-from clusterenv.wire.step_region import DONE, INFOS, MESSAGE, InfoLayout, StepRegion, check_layout, read_infos
+from clusterenv.wire.step_region import (
+    CALL,
+    COUNTER,
+    DONE,
+    INFOS,
+    LEARNER_WAITS,
+    MESSAGE,
+    STATUS,
+    STEPPING,
+    WORKER_WAITS,
+    InfoLayout,
+    StepRegion,
+    check_layout,
+    fence,
+    read_infos,
+)
+from clusterenv.wire.step_region import (
+    MESSAGES as MESSAGES_SENT,
+)
 from clusterenv.wire.transport import Channel
+from clusterenv.wire.waiting import SpinBudget, spinners_fit
 
-__all__ = ["SHARED_MEMORY", "MESSAGES", "SharedSteps"]
+__all__ = ["NOT_YET", "SHARED_MEMORY", "MESSAGES", "SharedSteps"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +59,10 @@ SHARED_MEMORY = "shared memory"
 MESSAGES = "messages"
 
 _NO_INFOS = [b""]
+#: :meth:`SharedSteps.reply` of a worker whose reply is not final yet.
+NOT_YET: Message = Message(Kind.WAKE_UP, {"not_yet": True})
+# Spin iterations between two reads of the clock.
+_POLLS_PER_CLOCK = 16
 
 
 class SharedSteps:
@@ -47,24 +73,38 @@ class SharedSteps:
         channel: the pool's channel (wake sockets, passing the region's file).
         members: who serves which worker (only a worker served by its own process is on the path).
         timeout: seconds a worker has to map the region.
+        spin_us: how long each side spins before it blocks, in µs (``0``: never; ``None``: adapted,
+            where the learner and every local worker have a core each; see :mod:`clusterenv.wire.waiting`).
     """
 
-    def __init__(self, region: StepRegion, channel: Channel, members: Membership, timeout: float | None) -> None:
+    def __init__(
+        self,
+        region: StepRegion,
+        channel: Channel,
+        members: Membership,
+        timeout: float | None,
+        spin_us: float | None = None,
+    ) -> None:
         self.region = region
         self.timeout = timeout
         self._channel = channel
         self._members = members
         #: The workers on the path now.
         self.on_path: set[int] = set()
+        # Spinning needs a core per spinner: the learner and each worker offered the path.
+        spinners = len(region.slices) + 1
+        if spin_us is None and not spinners_fit(spinners):
+            spin_us = 0.0
+            self.spin_reason = f"{spinners} spinning processes would not fit in this process's cores: all block"
+        else:
+            self.spin_reason = "set by `spin_us`" if spin_us is not None else "every spinning process has a core"
+        self._spin_us = spin_us
+        #: How long the learner spins for a reply before it blocks.
+        self.spin = SpinBudget(None if spin_us is None else spin_us * 1e-6)
         self._counters = [0] * len(region.slices)  # each worker's last command counter: never reused
         self._in_flight: dict[int, tuple[int, int]] = {}  # worker → (command counter, call number)
         self._wakers: dict[int, Callable[[], None]] = {}  # worker → what wakes its process
-        # A step whose reply is a message ends with the message, then a wake-up; the learner may read
-        # either first. The workers whose wake-up came first; and each worker's wake-ups still to come
-        # after messages that came first (in order, before any later step's; they pile up while
-        # messages keep coming first).
-        self._message_due: set[int] = set()
-        self._wake_ups_due: collections.Counter[int] = collections.Counter()
+        self._identities: dict[int, bytes] = {}  # worker → its process, for blocking on its wake socket
         self._layouts: dict[int, InfoLayout] = {}  # the info layout each worker named last
         # Each worker's rewards, terminations and truncations: views of the batch's own arrays.
         self._fields = [[rows.rewards, rows.terminations, rows.truncations] for rows in region.workers]
@@ -79,16 +119,19 @@ class SharedSteps:
     def offer(self, worker_id: int) -> FollowUp | None:
         """Pass the region's file to worker ``worker_id`` and return the SHARE_STEP that maps it; ``None``: it cannot.
 
-        The worker starts from a cleared header. Its reply goes to :meth:`joined`.
+        A worker lost mid-step may have written that step's observations into the batch: the
+        ones it last answered with are put back first. The worker starts from a cleared header.
+        Its reply goes to :meth:`joined`.
         """
+        sent = self._in_flight.pop(worker_id, None)
+        rows = self.region.workers[worker_id]
+        if sent is not None and worker_id in self.on_path and rows.began(sent[0]):
+            rows.restore_observations()
         self.on_path.discard(worker_id)
-        self._in_flight.pop(worker_id, None)
-        self._message_due.discard(worker_id)
-        del self._wake_ups_due[worker_id]
         self._layouts.pop(worker_id, None)
         if not self.can_join(worker_id):
             return None
-        self.region.workers[worker_id].clear()
+        rows.clear()
         identity = self._members.identities[worker_id]
         try:
             self._channel.pass_fd(self.region.fd, identity)
@@ -96,9 +139,10 @@ class SharedSteps:
         except Exception as exc:  # the process is gone: liveness checks find it
             logger.debug("Worker %d: the step region could not be passed (%s).", worker_id, str(exc))
             return None
+        self._identities[worker_id] = identity
         return FollowUp(
             Kind.SHARE_STEP,
-            self.region.meta(worker_id),
+            self.region.meta(worker_id, self._spin_us),
             on_loss=OnLoss.REPLAY,
             awaited="mapping the shared step region",
             timeout=self.timeout,
@@ -122,22 +166,52 @@ class SharedSteps:
         served = list(worker_ids)
         return SHARED_MEMORY if served and all(w in self.on_path for w in served) else MESSAGES
 
-    # -- a step ----------------------------------------------------------------------------
+    def describe(self) -> dict[str, object]:
+        """``learner_info``'s account of how the learner waits for the workers on the path."""
+        return {**self.spin.describe(), "spin_rule": self.spin_reason}
+
+    # -- commands --------------------------------------------------------------------------
+    def announce(self, process: int) -> None:
+        """A message went to worker process ``process`` on its pipe: a worker spinning on its header turns to it."""
+        if process in self.on_path:
+            words = self.region.workers[process].command
+            words[MESSAGES_SENT] += 1
+
     def send(self, worker_id: int, actions: Sequence[np.ndarray], call: int) -> None:
-        """Write worker ``worker_id``'s actions into its rows and wake it; ``zmq.ZMQError`` if its process is gone."""
+        """Write worker ``worker_id``'s actions into its rows and command it (``zmq.ZMQError``: its process is gone)."""
         rows = self.region.workers[worker_id]
         for row, action in zip(rows.actions, actions, strict=True):
             row[...] = action
         self._command(worker_id, call)
 
     def _command(self, worker_id: int, call: int) -> None:
-        """Worker ``worker_id``'s actions are in its rows: a fresh counter, the call, and the wake-up."""
-        rows = self.region.workers[worker_id]
-        counter = self._counters[worker_id] = self._counters[worker_id] + 1
-        rows.command[1] = call
-        rows.command[0] = counter
+        """Worker ``worker_id``'s actions are in its rows: a fresh counter and the call; a wake-up if it sleeps.
+
+        The command is recorded before it is written, and written before the counter is
+        counted: wherever an interrupt lands, :meth:`resume` finishes it with the same counter,
+        so the worker steps exactly once.
+        """
+        counter = self._counters[worker_id] + 1
         self._in_flight[worker_id] = (counter, call)
-        self._wakers[worker_id]()
+        self._publish(worker_id, counter, call)
+
+    def _publish(self, worker_id: int, counter: int, call: int) -> None:
+        rows = self.region.workers[worker_id]
+        command = rows.command
+        command[CALL] = call
+        command[COUNTER] = counter
+        self._counters[worker_id] = counter
+        fence()  # our counter, visible before we read whether the worker sleeps (it raises, fences, reads ours)
+        if rows.reply[WORKER_WAITS]:
+            self._wakers[worker_id]()
+
+    def resume(self, worker_id: int, call: int) -> bool:
+        """Finish worker ``worker_id``'s command of ``call`` after an interrupted send; False if none was recorded."""
+        sent = self._in_flight.get(worker_id)
+        if sent is None or sent[1] != call:
+            return False
+        self._publish(worker_id, *sent)
+        return True
 
     @property
     def everyone(self) -> bool:
@@ -155,63 +229,125 @@ class SharedSteps:
             row.dtype == action.dtype and row.shape == action.shape for row, action in zip(rows, actions, strict=True)
         )
 
-    def send_all(self, actions: Sequence[np.ndarray], call: int) -> list[int]:
-        """:meth:`send` to every worker at once (all on the path): the batch's actions in one copy per leaf.
-
-        Returns the workers whose process could not be woken (gone).
-        """
+    def write_actions(self, actions: Sequence[np.ndarray]) -> None:
+        """The batch's actions into the region, one copy per leaf (then :meth:`command` each worker)."""
         for batch, action in zip(self.region.actions, actions, strict=True):
             batch[...] = action
-        unreachable = []
-        for worker_id in range(len(self.region.workers)):
-            try:
-                self._command(worker_id, call)
-            except zmq.ZMQError:
-                unreachable.append(worker_id)
-        return unreachable
+
+    def command(self, worker_id: int, call: int) -> bool:
+        """Command worker ``worker_id`` with the actions already in its rows; False if its process is gone."""
+        try:
+            self._command(worker_id, call)
+        except zmq.ZMQError:
+            return False
+        return True
 
     def in_flight(self, worker_id: int) -> bool:
         """Whether worker ``worker_id`` has a step on the path that it has not answered yet."""
         return worker_id in self._in_flight
 
-    def woken(self, worker_id: int) -> Message | None:
-        """The RESULT a wake-up from worker ``worker_id`` stands for; ``None``: its reply is a message, sent before.
+    # -- replies ---------------------------------------------------------------------------
+    def reply(self, worker_id: int) -> Message | None:
+        """What worker ``worker_id``'s words say now: its RESULT, ``None`` (a message is its reply), or ``NOT_YET``.
 
         Its rewards and flags are views of the worker's rows, its observations already in the
         batch, and its infos (status ``INFOS``) read from its info rows. Raises ``ProtocolError``
-        naming the worker unless the reply's counter is the command's and its status is known.
+        naming the worker for words no worker of ours writes.
         """
-        if self._wake_ups_due[worker_id]:  # the end of a step whose reply message came first
-            self._wake_ups_due[worker_id] -= 1
-            return None
         sent = self._in_flight.get(worker_id)
+        if sent is None:
+            return NOT_YET
         rows = self.region.workers[worker_id]
-        counter, status = int(rows.reply[0]), int(rows.reply[1])
-        layout = self._layouts.get(worker_id)
-        if (
-            sent is None
-            or counter != sent[0]
-            or status not in (DONE, MESSAGE, INFOS)
-            or (status == INFOS and layout is None)
-            or worker_id in self._message_due
-        ):
-            raise self._stray(worker_id, f"a wake-up with counter {counter} and status {status}", sent)
+        reply = rows.reply
+        counter = reply[COUNTER]
+        if counter != sent[0]:
+            if counter > sent[0]:
+                raise self._stray(worker_id, f"a reply with counter {counter}", sent)
+            return NOT_YET
+        status = reply[STATUS]
+        if status == STEPPING:
+            return NOT_YET
         if status == MESSAGE:
-            self._message_due.add(worker_id)
             return None
-        del self._in_flight[worker_id]
+        layout = self._layouts.get(worker_id)
+        if status not in (DONE, INFOS) or (status == INFOS and layout is None):
+            raise self._stray(worker_id, f"a reply with status {status}", sent)
         infos = None if status == DONE else read_infos(rows.infos, layout)  # type: ignore[arg-type]
         return Message(Kind.RESULT, {"seq": sent[1]}, self._fields[worker_id], _NO_INFOS, infos)
 
+    def taken(self, worker_id: int) -> None:
+        """Worker ``worker_id``'s reply was taken (kept by the pool first, so an interrupt here loses nothing)."""
+        self._in_flight.pop(worker_id, None)
+
+    def await_reply(self, worker_id: int, wait: float) -> Message | None:
+        """:meth:`reply`, waited for: spinning, then blocking on the worker's wake socket, within ``wait`` seconds.
+
+        Returns ``NOT_YET`` when ``wait`` passed, or when anything else needs the pool's receive
+        loop (a message arrived, the wake socket closed).
+        """
+        reply = self.reply(worker_id)
+        if reply is not NOT_YET:
+            return reply
+        spin = self.spin
+        clock = time.perf_counter
+        started = clock()
+        bound = spin.bound()
+        if bound > 0:
+            deadline, counter, polls = started + bound, self._in_flight[worker_id][0], 0
+            words = self.region.workers[worker_id].reply
+            while True:
+                if words[COUNTER] == counter and words[STATUS] != STEPPING:
+                    spin.observe(clock() - started, caught=True)
+                    return self.reply(worker_id)
+                polls += 1
+                if polls % _POLLS_PER_CLOCK == 0 and clock() >= deadline:
+                    break
+        command = self.region.workers[worker_id].command
+        command[LEARNER_WAITS] = 1
+        try:
+            fence()  # our word, visible before we read the worker's status (it writes, fences, reads ours)
+            blocked_until = started + wait
+            while (reply := self.reply(worker_id)) is NOT_YET and clock() < blocked_until:
+                if not self._channel.await_wake_up(self._identities[worker_id]):
+                    break
+        finally:
+            command[LEARNER_WAITS] = 0
+        if reply is not NOT_YET:
+            spin.observe(clock() - started, caught=False)
+        return reply
+
+    def in_flight_workers(self) -> list[int]:
+        """The workers with a step on the path not answered yet."""
+        return list(self._in_flight)
+
+    def ask_wake_ups(self, worker_ids: Iterable[int]) -> list[int]:
+        """Raise the *waits* word of those of ``worker_ids`` with a step in flight (the learner is about to block).
+
+        Fenced: a worker that answers after this sees the word and wakes the learner; one that
+        answered before shows it in its words, which the caller reads next.
+        """
+        asked = [w for w in worker_ids if w in self._in_flight]
+        for worker_id in asked:
+            self.region.workers[worker_id].command[LEARNER_WAITS] = 1
+        if asked:
+            fence()
+        return asked
+
+    def stop_wake_ups(self, worker_ids: Iterable[int]) -> None:
+        """Lower the *waits* words that :meth:`ask_wake_ups` raised."""
+        for worker_id in worker_ids:
+            self.region.workers[worker_id].command[LEARNER_WAITS] = 0
+
+    def woken(self, worker_id: int) -> Message | None:
+        """A wake-up read by the pool's receive loop for worker ``worker_id``: its RESULT if its words say so, else None."""
+        reply = self.reply(worker_id)
+        return None if reply is NOT_YET else reply
+
     def completed(self, worker_id: int, msg: Message) -> Message:
         """The RESULT that a message naming a step (its infos) from worker ``worker_id`` completes."""
-        sent = self._in_flight.pop(worker_id, None)
+        sent = self._in_flight.get(worker_id)
         if sent is None or msg.meta["step"] != sent[0]:
             raise self._stray(worker_id, f"a message for step {msg.meta['step']}", sent)
-        if worker_id in self._message_due:
-            self._message_due.discard(worker_id)
-        else:
-            self._wake_ups_due[worker_id] += 1
         if "info_layout" in msg.meta:
             try:
                 self._layouts[worker_id] = check_layout(msg.meta["info_layout"])

@@ -201,6 +201,7 @@ def share_steps(
     action_space: spaces.Space,
     slices: list[slice],
     timeout: float,
+    spin_us: float | None = None,
 ) -> StepRegion | None:
     """The shared step region, if workers on this host step through it (else ``None``).
 
@@ -211,7 +212,7 @@ def share_steps(
     if not fits(observation_space, action_space) or not any(pool.can_wake(w) for w in range(len(slices))):
         return None
     region = StepRegion(observation_space, action_space, slices)
-    on_path = pool.share_steps(region, timeout)
+    on_path = pool.share_steps(region, timeout, spin_us)
     if not on_path:
         return None
     logger.debug("Workers %s write observations into shared memory and step through it.", sorted(on_path))

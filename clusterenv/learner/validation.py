@@ -42,6 +42,7 @@ __all__ = [
     "check_reset_options",
     "check_seconds",
     "check_seeds",
+    "check_spin_us",
     "default_num_workers",
     "pickle_argument",
     "pickle_env_fn",
@@ -106,6 +107,17 @@ def check_seconds(name: str, value: Any, *, allow_none: bool, unit: str = "secon
         raise TypeError(f"`{name}` must be {expected}, got {type(value).__name__} ({value!r}).")
     if not value > 0:
         raise ValueError(f"`{name}` must be a positive number of {unit}, got {value}.")
+    return float(value)
+
+
+def check_spin_us(value: Any) -> float | None:
+    """``spin_us``: ``None`` (adapted), or a number of µs from 0 (never spin) up to a second."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"`spin_us` must be None or a number of microseconds, got {type(value).__name__} ({value!r}).")
+    if not 0 <= value <= 1e6:
+        raise ValueError(f"`spin_us` must be between 0 and 1,000,000 microseconds (a second), got {value}.")
     return float(value)
 
 

@@ -39,6 +39,7 @@ from clusterenv.learner.validation import (
     check_reset_options,
     check_seconds,
     check_seeds,
+    check_spin_us,
     default_num_workers,
     pickle_argument,
     pickle_env_fn,
@@ -103,6 +104,7 @@ class ClusterEnv(VectorEnv):
         shared_memory: bool = True,
         compression: str | None = "lz4",
         recycle: Recycle | None = None,
+        spin_us: float | None = None,
     ) -> None:
         """Start the workers and build the envs in them.
 
@@ -161,6 +163,11 @@ class ClusterEnv(VectorEnv):
                 slow links (docs/guides/multi-node.md). ``ipc://`` never compresses.
             recycle: replace a worker's process after so many env steps or past a memory bound, between
                 steps (:class:`~clusterenv.learner.recycling.Recycle`; local workers; docs/guides/flaky-envs.md).
+            spin_us: on the shared step path, how long the learner waiting for a reply, and a worker
+                waiting for its next command, read the other's words in a loop before they block,
+                in µs. ``None`` (default): adapted to how long recent waits took (up to 1 ms), where
+                the learner and every local worker have a core each (else nobody spins); ``0``:
+                never; a number: that bound, within the same rule (docs/guides/dropin.md).
         """
         super().__init__()
         self._state = AsyncState.DEFAULT
@@ -177,6 +184,7 @@ class ClusterEnv(VectorEnv):
         observation_mode = check_observation_mode(observation_mode)
         self.copy = copy
         self.shared_memory = check_flag("shared_memory", shared_memory)
+        spin_us = check_spin_us(spin_us)
         self.timeout = check_seconds("timeout", timeout, allow_none=True)
         start_timeout = check_seconds("start_timeout", start_timeout, allow_none=False)
         self.on_worker_failure = check_choice("on_worker_failure", on_worker_failure, ["raise", "restart", "rehome"])
@@ -225,6 +233,7 @@ class ClusterEnv(VectorEnv):
                 procs_per_worker=self.procs_per_worker,
                 max_env_errors=self._max_env_errors,
                 shared_memory=self.shared_memory,
+                spin_us=spin_us,
                 timeout=start_timeout,
             )
         except BaseException:
@@ -232,6 +241,9 @@ class ClusterEnv(VectorEnv):
             raise
 
         self.metadata, self.render_mode = built.metadata, built.render_mode
+        # As SyncVectorEnv: env 0 refusing a step before reset (gym.make's OrderEnforcing) refuses it before any
+        # env steps; envs built without that wrapper are stepped.
+        self._steps_need_reset = built.first_env_enforces_order
         self.single_observation_space, self.observation_space = built.single_observation_space, built.observation_space
         self.single_action_space, self.action_space = built.single_action_space, built.action_space
         self._buffers = built.buffers
@@ -264,8 +276,13 @@ class ClusterEnv(VectorEnv):
 
     @property
     def needs_reset(self) -> bool:
-        """True until the first ``reset``: stepping before it raises ``ResetNeeded``."""
+        """True until the first ``reset`` (stepping before it raises ``ResetNeeded`` where env 0 enforces order)."""
         return self._needs_reset
+
+    def _check_reset_before_step(self) -> None:
+        """``ResetNeeded`` where ``SyncVectorEnv`` would raise it: env 0 refuses a step before its first reset."""
+        if self._needs_reset and self._steps_need_reset:
+            raise ResetNeeded("Cannot call `step` before `reset`: the environments have not been reset yet.")
 
     @contextlib.contextmanager
     def pending_call(self, holder: str | None = None) -> Iterator[WorkerPool]:
@@ -350,15 +367,27 @@ class ClusterEnv(VectorEnv):
             mine = options[sl] if isinstance(options, list) else options
             blobs = [] if mine is None else [pickle_argument(mine, "`options` of reset")]
             commands[w] = (ResetMeta(seeds=seeds[sl], mask=None if mask is None else mask[sl].tolist()), (), blobs)
-        self._pool.send_each(
-            Kind.RESET, commands, OnLoss.REPLAY
-        )  # all or none: a partial reset would desynchronize the envs
-        self._pending = list(commands)
+        # Pending before anything is sent: a send interrupted (Ctrl-C) is finished by reset_wait().
+        self._send_pending(AsyncState.WAITING_RESET, Kind.RESET, commands, OnLoss.REPLAY)
         # Envs reset whole start new episodes: their cuts need no report.
         self._pool.cuts.settle(w for w in commands if mask is None or mask[self._slices[w]].all())
         if mask is None:
             self._buffers.rewards[:] = 0.0
-        self._state = AsyncState.WAITING_RESET
+
+    def _send_pending(self, state: AsyncState, kind: Kind, commands: dict[int, Command], on_loss: OnLoss) -> None:
+        """Send ``commands`` as the pending call ``state``, which is pending before anything leaves.
+
+        A send interrupted (Ctrl-C) is then finished by the ``*_wait`` call. Nothing leaves
+        unless every command encodes (a partial reset would desynchronize the envs), and a
+        command that cannot leaves no call pending.
+        """
+        self._pending, self._state = list(commands), state
+        try:
+            self._pool.send_each(kind, commands, on_loss)
+        except Exception:
+            if not self.closed:
+                self._state = AsyncState.DEFAULT
+            raise
 
     def reset_wait(self, timeout: float | None = None) -> tuple[Any, dict[str, Any]]:
         """Wait for the observations of a ``reset_async``.
@@ -395,13 +424,14 @@ class ClusterEnv(VectorEnv):
         """``step`` when every worker is on the shared step path: ``step_async`` and ``step_wait`` in one."""
         assert self._action_specs is not None
         self._begin(AsyncState.WAITING_STEP, "step_async")
-        if self._needs_reset:
-            raise ResetNeeded("Cannot call `step` before `reset`: the environments have not been reset yet.")
+        self._check_reset_before_step()
         leaves = check_actions(actions, self.single_action_space, self._action_specs, self.num_envs)
         # As step_async leaves it: if the wait is interrupted (Ctrl-C), step_wait() can finish it.
         self._state, self._pending = AsyncState.WAITING_STEP, list(range(self.num_workers))
         if not self._pool.takes_shared(leaves):  # actions of another dtype reach the envs as they are: messages
-            self._pool.send_each(Kind.STEP, self._array_commands(leaves, self._pending), OnLoss.INTERRUPT)
+            self._send_pending(
+                AsyncState.WAITING_STEP, Kind.STEP, self._array_commands(leaves, self._pending), OnLoss.INTERRUPT
+            )
             return self.step_wait()
         replies = self._pool.step_shared(leaves, "stepping", self.timeout)
         self._state = AsyncState.DEFAULT
@@ -414,8 +444,7 @@ class ClusterEnv(VectorEnv):
             actions: one action per env, as for :meth:`step`.
         """
         self._begin(AsyncState.WAITING_STEP, "step_async")  # a pending reset is reported first, as Async does
-        if self._needs_reset:
-            raise ResetNeeded("Cannot call `step` before `reset`: the environments have not been reset yet.")
+        self._check_reset_before_step()
         cuts = self._pool.cuts
         if self._recycler is not None:  # a recycled worker's fresh envs join the moved ones
             self._recycler.before_step(range(self.num_workers), cuts, self._slices)
@@ -429,9 +458,8 @@ class ClusterEnv(VectorEnv):
         else:
             leaves = check_actions(actions, self.single_action_space, self._action_specs, self.num_envs)
             commands = self._array_commands(leaves, stepping)
-        self._pool.send_each(Kind.STEP, commands, OnLoss.INTERRUPT)  # the cut episodes are reported as truncated
-        self._pending = stepping
-        self._state = AsyncState.WAITING_STEP
+        # The cut episodes are reported as truncated.
+        self._send_pending(AsyncState.WAITING_STEP, Kind.STEP, commands, OnLoss.INTERRUPT)
 
     def _array_commands(self, leaves: list[np.ndarray], workers: list[int]) -> dict[int, Command]:
         """Each worker's STEP: its slice of the checked action leaves."""
@@ -784,8 +812,13 @@ class ClusterEnv(VectorEnv):
 
     @property
     def learner_info(self) -> dict[str, Any]:
-        """Per batch step, the learner's own time against its time waiting for workers (fault-tolerance guide)."""
-        return self._pool.timing.summary()
+        """Per batch step, the learner's own time against its time waiting for workers (fault-tolerance guide).
+
+        With workers on the shared step path, also how the learner waits for them: ``spin``
+        (``"adaptive"``, ``"fixed"`` or ``"never"``), ``spin_us`` (the bound now), ``spin_rule``
+        (why), and how many ``waits`` ended while spinning (``caught_spinning``).
+        """
+        return self._pool.learner_info
 
     def __enter__(self) -> ClusterEnv:
         return self

@@ -14,7 +14,7 @@ from __future__ import annotations
 import errno
 import select
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import zmq
@@ -63,8 +63,8 @@ class Carrier(Protocol):
     def take_fd(self) -> int | None:
         """A file descriptor received on the wake socket, if one has arrived (workers)."""
 
-    def await_wake_ups(self, peers: Sequence[bytes]) -> list[bytes]:
-        """Learner: wait for a wake-up from each of ``peers`` in turn; those that arrived (see ``LearnerPipes``)."""
+    def await_wake_up(self, peer: bytes) -> bool:
+        """Learner: block on ``peer``'s wake socket for a wake-up; whether one came (see ``LearnerPipes``)."""
 
 
 def _no_wake(to: bytes | None) -> zmq.ZMQError:
@@ -94,9 +94,9 @@ class _Unwakeable:
         """Nothing ever arrives."""
         return None
 
-    def await_wake_ups(self, peers: Sequence[bytes]) -> list[bytes]:
+    def await_wake_up(self, peer: bytes) -> bool:
         """None can arrive: receive as usual."""
-        return []
+        return False
 
 
 class SocketCarrier(_Unwakeable):
@@ -233,9 +233,9 @@ class PipeCarrier:
         """Workers pass no files."""
         raise _no_wake(to)
 
-    def await_wake_ups(self, peers: Sequence[bytes]) -> list[bytes]:
+    def await_wake_up(self, peer: bytes) -> bool:
         """A worker takes its wake-ups in :meth:`recv`."""
-        return []
+        return False
 
     def take_fd(self) -> int | None:
         """The oldest file the learner passed and nobody took yet, waiting up to a second for it to arrive.
@@ -333,6 +333,6 @@ class LearnerCarrier:
         """The learner receives no files."""
         return None
 
-    def await_wake_ups(self, peers: Sequence[bytes]) -> list[bytes]:
-        """Wait for a wake-up from each of the worker processes ``peers`` (see ``LearnerPipes.await_wake_ups``)."""
-        return self.pipes.await_wake_ups(peers)
+    def await_wake_up(self, peer: bytes) -> bool:
+        """Block on the wake socket of the worker process ``peer`` (see ``LearnerPipes.await_wake_up``)."""
+        return self.pipes.await_wake_up(peer)

@@ -110,6 +110,9 @@ class StepRegionMeta(Empty):
     workers: int
     start: int  # the worker's rows
     stop: int
+    # How long the worker spins for its next command before blocking, in µs: a fixed bound (0: never),
+    # or None: adapted to the gaps between commands (clusterenv.wire.waiting.SpinBudget).
+    spin_us: float | None
 
 
 class SetPolicyMeta(Empty):

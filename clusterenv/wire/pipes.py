@@ -489,46 +489,31 @@ class LearnerPipes:
                 return None
         return self._inbox.popleft()
 
-    def await_wake_ups(self, identities: Sequence[bytes]) -> list[bytes]:
-        """Wait for a wake-up from each of the processes ``identities``, in turn; those that arrived, in order.
+    def await_wake_up(self, identity: bytes) -> bool:
+        """Block on the wake socket of the process ``identity`` for a wake-up; whether one came.
 
-        The shared step path's receive: a blocking read of each wake socket, nothing to poll or
-        parse. A step always ends with its worker's wake-up (a reply message, if any, was sent
-        before it), so nothing else needs watching meanwhile. It returns early, with what
-        arrived so far, when a read waits ``WAKE_READ_TIMEOUT_S`` in vain or finds the end of
-        the stream, and at once if anything read earlier is still to be received: :meth:`recv`
-        takes it from there.
+        The shared step path's blocking wait: one read, bounded by ``WAKE_READ_TIMEOUT_S``. A
+        wake-up only says "read the region's words again", so the bytes read are dropped. It
+        returns False at once if anything read earlier is still to be received or a pipe
+        still has bytes to send (:meth:`recv` takes it from there), and when the read times
+        out or finds the end of the stream (the pool's liveness check then finds the process).
         """
         if self._inbox:
-            return []
-        woken: list[bytes] = []
-        for identity in identities:
-            pipe = self._by_identity.get(identity)
-            waker = None if pipe is None else self._wakes.get(pipe)
-            if pipe is None or waker is None or waker.closed or pipe.pending:
-                return woken
-            try:
-                data = os.read(waker.fd, 64)
-            except (BlockingIOError, InterruptedError):  # SO_RCVTIMEO passed
-                return woken
-            except OSError:
-                data = b""
-            if data != _WAKE:  # the end of the stream, or more than the one reply in flight
-                self._requeue(identity, data)
-                return woken
-            woken.append(identity)
-        return woken
-
-    def _requeue(self, identity: bytes, data: bytes) -> None:
-        """What a raw read of a wake socket found besides one wake-up: wake-ups for recv(), or the end of the stream."""
-        pipe = self._by_identity[identity]
-        waker = self._wakes[pipe]
+            return False
+        pipe = self._by_identity.get(identity)
+        waker = None if pipe is None else self._wakes.get(pipe)
+        if pipe is None or waker is None or waker.closed or pipe.pending:
+            return False
+        try:
+            data = os.read(waker.fd, 64)
+        except (BlockingIOError, InterruptedError):  # SO_RCVTIMEO passed
+            return False
+        except OSError:
+            data = b""
         if not data:
             self._read_wake(pipe)  # reads the end again, and closes it there
-            return
-        waker.wakes += data.count(_WAKE)
-        while waker.take():
-            self._inbox.append((identity, WOKEN))
+            return False
+        return True
 
     def _poll(self, timeout_ms: int) -> None:
         """Wait up to ``timeout_ms`` (-1: forever) for anything to read or write; what arrived goes to the inbox."""

@@ -6,19 +6,35 @@ workers the learner starts on its own host, one anonymous shared file (``memfd``
 batched over all envs, every field a plain step moves, and one header per worker::
 
     [ token | worker 0 header | worker 1 header | ... | actions leaves | observation leaves
-      | rewards | terminations | truncations | infos (INFO_SLOTS x 8 bytes per env) ]
+      | previous observation leaves | rewards | terminations | truncations
+      | infos (INFO_SLOTS x 8 bytes per env) ]
 
-    header (two cache lines):  command: [counter u64, call u64]   reply: [counter u64, status u64]
+    header (two cache lines, each written by one side only):
+        command (the learner's):  [counter, call, messages, learner waits]
+        reply (the worker's):     [counter, status, worker waits]
 
-A command is the worker's actions written into its rows, then its header's command
-``counter`` (one more than the last, never reused) and ``call`` (the learner's call number,
-which the worker echoes in any message it sends about this step), then a wake-up byte on
-the worker's wake socket. A reply is the observations, rewards and flags written into the
-worker's rows, the reply ``counter`` (the command's) and a ``status``, then a wake-up byte
-back. When the step produced something the region has no place for (infos, a usage report),
-or raised, the worker sends that reply as a message on its pipe first (naming the counter,
-or an ERROR as on the message path), then sets the status that says so and wakes the
-learner: every step ends with a wake-up, so a learner waiting for them watches nothing else.
+**Sequence words are the truth; wake-up bytes are hints.** A command is the worker's
+actions written into its rows, then its header's ``call`` (the learner's call number, which
+the worker echoes in any message it sends about this step) and a fresh ``counter`` (one more
+than the last, never reused). A reply is the observations, rewards and flags written into
+the worker's rows, then the reply ``counter`` (the command's) and a final ``status``. Each
+side waits for the other's counter by reading it: for a short while in a loop (a *spin*),
+then by blocking on its wake socket after raising its *waits* word. The other side writes a
+wake-up byte only when it sees that word raised (both sides fence between their store and
+their load, so that one of them always sees the other's), and a waiter that wakes reads the
+words again: a byte that finds nothing new is ignored. So a wake-up lost to an interrupted
+read, or one left over from a race, can neither hang a step nor answer one.
+
+A worker that begins a step copies its observation rows to its *previous* rows, then sets
+the reply status :data:`STEPPING` with the command's counter: should it die before its reply
+is final, the learner takes the observations it last received from there (the envs may have
+written the next ones into the batch already).
+
+When the step produced something the region has no place for (infos, a usage report), or
+raised, the worker sends that reply as a message on its pipe first (naming the counter, or
+an ERROR as on the message path), then sets the status that says so (:data:`MESSAGE`). The
+learner bumps ``messages`` after each message it sends to a worker on the path, so that a
+spinning worker turns to its pipe without a wake-up.
 
 Infos that every env reports at every step, as numbers under the same keys (MuJoCo's
 ``x_position``, Atari's ``lives``), go in the region too, in a layout learned from the
@@ -26,12 +42,10 @@ first steps: a worker names the layout in a message that carries such infos, and
 later steps whose infos fit it write them into its info rows (status ``INFOS``) instead of
 sending a message. Anything else (a new key, another type, a ``final_obs``) is a message.
 
-The learner reads a reply only once its counter matches the command it sent and its status
-is known, so a stale or torn slot can never be read as a reply. Observations are the
-learner's batch itself: the worker's envs write them in place. Nothing in the region is
-ever unpickled; its layout follows from the spaces alone, and a worker maps it only if its
-own spaces give the same layout. The file has no name: it is passed over the wake socket
-(``SCM_RIGHTS``), so nothing is left behind by a learner that is killed.
+Observations are the learner's batch itself: the worker's envs write them in place. Nothing
+in the region is ever unpickled; its layout follows from the spaces alone, and a worker maps
+it only if its own spaces give the same layout. The file has no name: it is passed over the
+wake socket (``SCM_RIGHTS``), so nothing is left behind by a learner that is killed.
 """
 
 from __future__ import annotations
@@ -40,6 +54,7 @@ import math
 import mmap
 import os
 import secrets
+import threading
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -54,10 +69,19 @@ from clusterenv.wire.messages import StepRegionMeta
 
 __all__ = [
     "DONE",
+    "FINAL",
     "INFOS",
     "INFO_SLOTS",
     "MESSAGE",
+    "STEPPING",
+    "COUNTER",
+    "CALL",
+    "MESSAGES",
+    "LEARNER_WAITS",
+    "STATUS",
+    "WORKER_WAITS",
     "InfoLayout",
+    "fence",
     "check_layout",
     "fits",
     "info_layout",
@@ -71,12 +95,24 @@ __all__ = [
 
 #: Reply status: the results are in the worker's rows.
 DONE = 1
-#: Reply status: the worker's reply is a message, sent before its wake-up: the results are in its
+#: Reply status: the worker's reply is a message, sent before this status: the results are in its
 #: rows and the message has the rest (infos, a usage report), or the step raised and it is an ERROR.
 MESSAGE = 2
 #: Reply status: the results are in the worker's rows, and its infos in its info rows, in the layout
 #: its last message named.
 INFOS = 3
+#: Reply status: the worker began the step (its previous observations are saved); no reply yet.
+STEPPING = 4
+#: The statuses that end a step.
+FINAL = frozenset((DONE, MESSAGE, INFOS))
+
+#: Words of a header's command line (the learner writes them): the step's counter, its call number,
+#: how many messages the learner sent since the worker joined the path, and whether the learner
+#: waits blocked for this worker's reply (then the worker writes a wake-up byte).
+COUNTER, CALL, MESSAGES, LEARNER_WAITS = 0, 1, 2, 3
+#: Words of a header's reply line (the worker writes them), after its ``COUNTER``: the reply's
+#: status, and whether the worker waits blocked for its next command.
+STATUS, WORKER_WAITS = 1, 2
 
 #: Info keys per env the region holds, each in 8 bytes: scalars that every env reports at every step
 #: (MuJoCo's ``x_position``, Atari's ``lives``). Other infos travel as messages.
@@ -111,6 +147,8 @@ def region_layout(
         add(f"action{i}", dtype, shape)
     for i, (dtype, shape, _) in enumerate(leaf_specs(observation_space)):
         add(f"obs{i}", dtype, shape)
+    for i, (dtype, shape, _) in enumerate(leaf_specs(observation_space)):
+        add(f"previous{i}", dtype, shape)
     add("rewards", np.dtype(np.float64), ())
     add("terminations", np.dtype(np.bool_), ())
     add("truncations", np.dtype(np.bool_), ())
@@ -128,17 +166,19 @@ class WorkerRows:
     """One worker's view of the region: its header words and its rows of every field.
 
     Attributes:
-        command: ``[counter, call]`` (the learner writes them).
-        reply: ``[counter, status]`` (the worker writes them).
+        command: ``[counter, call, messages, learner waits]`` (the learner writes them).
+        reply: ``[counter, status, worker waits]`` (the worker writes them).
         actions, observations: leaf arrays of the worker's rows.
+        previous: leaf arrays of the observations the worker had when its step in flight began.
         rewards, terminations, truncations: the worker's rows.
         infos: the worker's info rows: ``INFO_SLOTS`` values of 8 bytes per env (raw).
     """
 
-    command: np.ndarray
-    reply: np.ndarray
+    command: memoryview
+    reply: memoryview
     actions: list[np.ndarray]
     observations: list[np.ndarray]
+    previous: list[np.ndarray]
     rewards: np.ndarray
     terminations: np.ndarray
     truncations: np.ndarray
@@ -146,8 +186,37 @@ class WorkerRows:
 
     def clear(self) -> None:
         """Zero the headers (a replacement starts from a cleared slot)."""
-        self.command[:] = 0
-        self.reply[:] = 0
+        for words in (self.command, self.reply):
+            for i in range(len(words)):
+                words[i] = 0
+
+    def began(self, counter: int) -> bool:
+        """Whether the worker began step ``counter`` (its observation rows may hold that step's, not the last)."""
+        return int(self.reply[COUNTER]) == counter
+
+    def restore_observations(self) -> None:
+        """Put back the observations the worker saved when it began its step (it was lost before replying)."""
+        for rows, saved in zip(self.observations, self.previous, strict=True):
+            rows[...] = saved
+
+    def save_observations(self) -> None:
+        """Keep the current observations before the envs overwrite them (the worker, as a step begins)."""
+        for rows, saved in zip(self.observations, self.previous, strict=True):
+            saved[...] = rows
+
+
+_FENCE = threading.Lock()
+
+
+def fence() -> None:
+    """A full memory barrier: a locked instruction, as acquiring an uncontended lock is.
+
+    Between raising a *waits* word and reading the other side's counter (and between writing
+    a counter and reading the other side's *waits* word), so that a store is never passed by
+    a later load: without it, each side could miss the other's store and both would wait.
+    """
+    with _FENCE:
+        pass
 
 
 def _batch(buffer: Any, fields: list[Field]) -> dict[str, np.ndarray]:
@@ -158,11 +227,16 @@ def _batch(buffer: Any, fields: list[Field]) -> dict[str, np.ndarray]:
 def _rows(buffer: Any, batch: dict[str, np.ndarray], worker: int, rows: slice) -> WorkerRows:
     """Worker ``worker``'s header and its ``rows`` of the ``batch`` (views of the batch's own arrays)."""
     header = _ALIGN + worker * _HEADER_BYTES
+    # Header words as a memoryview of unsigned 64-bit integers: reading one costs a fraction of a numpy
+    # scalar's, which matters in a spin. Aligned 8-byte stores and loads are atomic on every 64-bit CPU.
+    words = memoryview(buffer)[header : header + _HEADER_BYTES].cast("Q")
+    per_line = _ALIGN // 8
     return WorkerRows(
-        command=np.ndarray((2,), np.uint64, buffer=buffer, offset=header),
-        reply=np.ndarray((2,), np.uint64, buffer=buffer, offset=header + _ALIGN),
+        command=words[:4],
+        reply=words[per_line : per_line + 3],
         actions=[view[rows] for name, view in batch.items() if name.startswith("action")],
         observations=[view[rows] for name, view in batch.items() if name.startswith("obs")],
+        previous=[view[rows] for name, view in batch.items() if name.startswith("previous")],
         rewards=batch["rewards"][rows],
         terminations=batch["terminations"][rows],
         truncations=batch["truncations"][rows],
@@ -203,8 +277,11 @@ class StepRegion:
         #: The batch's rewards, terminations and truncations, in the region.
         self.step_fields = (batch["rewards"], batch["terminations"], batch["truncations"])
 
-    def meta(self, worker_id: int) -> StepRegionMeta:
-        """What worker ``worker_id`` needs to map its rows (the file itself travels on its wake socket)."""
+    def meta(self, worker_id: int, spin_us: float | None) -> StepRegionMeta:
+        """What worker ``worker_id`` needs to map its rows (the file itself travels on its wake socket).
+
+        ``spin_us``: how the worker waits for its next command (:class:`~clusterenv.wire.waiting.SpinBudget`).
+        """
         sl = self.slices[worker_id]
         return StepRegionMeta(
             token=self.token.hex(),
@@ -214,6 +291,7 @@ class StepRegion:
             workers=len(self.slices),
             start=sl.start,
             stop=sl.stop,
+            spin_us=spin_us,
         )
 
     def close(self) -> None:

@@ -444,14 +444,14 @@ class Channel:
         """Worker: a file descriptor its learner passed, if one arrived."""
         return self.carrier.take_fd()
 
-    def await_wake_ups(self, peers: Sequence[bytes]) -> list[bytes]:
-        """Learner: wait for a wake-up from each of the joined worker processes ``peers`` in turn.
+    def await_wake_up(self, peer: bytes) -> bool:
+        """Learner: block on the wake socket of the joined worker process ``peer``; whether a wake-up came.
 
-        Returns those that arrived, in order; it stops early when a read waits too long or
-        anything else needs reading, which :meth:`recv` then returns (see ``LearnerPipes.await_wake_ups``).
+        It returns early when the read waits too long or anything else needs reading, which
+        :meth:`recv` then returns (see ``LearnerPipes.await_wake_up``).
         """
         started = time.perf_counter()
-        woken = self.carrier.await_wake_ups(peers)
+        woken = self.carrier.await_wake_up(peer)
         self.waited_s += time.perf_counter() - started
         return woken
 

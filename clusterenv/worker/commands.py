@@ -7,25 +7,40 @@ The process around them (joining, the receive loop, the heartbeat) is
 
 from __future__ import annotations
 
+import logging
 import pickle
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import cloudpickle
 import numpy as np
+import zmq
 from gymnasium.vector import AutoresetMode
 
 from clusterenv.wire.infos import pack_infos
 from clusterenv.wire.leaves import batch_of_items, is_array_tree, leaf_arrays, unflatten
 from clusterenv.wire.messages import CallMeta, InitMeta, ResetMeta, ResultMeta, ShareObsMeta, ValueMeta, meta_of
+from clusterenv.wire.pipes import PipeClosed
 from clusterenv.wire.protocol import Kind, Message
 from clusterenv.wire.transport import Channel
-from clusterenv.worker.env_processes import ProcVectorEnv
+from clusterenv.worker.env_processes import ChildEnvError, ProcVectorEnv
 from clusterenv.worker.failures import EnvFailure, EnvTracker, error_reply
 from clusterenv.worker.recording_env import RecordingVectorEnv, build, dumps, learner_registry
 
-__all__ = ["Mailbox", "Worker"]
+__all__ = ["Mailbox", "Waiter", "Worker"]
+
+logger = logging.getLogger(__name__)
+
+
+class Waiter(Protocol):
+    """What the mailbox tells before and after it blocks (the shared step path's *waits* word)."""
+
+    def sleep(self) -> Message | None:
+        """About to block: a message to handle at once instead (a command that came meanwhile), if any."""
+
+    def awake(self) -> None:
+        """The blocking receive returned."""
 
 
 class Mailbox:
@@ -50,6 +65,8 @@ class Mailbox:
         self.queue: deque[Message] = deque()
         self.closing = False
         self.seq: Any = None  # of the command being handled: the learner matches replies by it
+        #: Told before and after each blocking receive (the shared step path, while this process is on it).
+        self.waiter: Waiter | None = None
 
     def worker_for(self, msg: Message) -> Worker:
         """The worker whose envs ``msg`` is for; an INIT naming a new slot creates it."""
@@ -84,7 +101,17 @@ class Mailbox:
         """The next command: queued first, else from the socket within ``timeout`` seconds."""
         if self.queue:
             return self.queue.popleft()
-        received = self.channel.recv(timeout, routed=False)
+        waiter = self.waiter
+        if waiter is None:
+            received = self.channel.recv(timeout, routed=False)
+        else:
+            ready = waiter.sleep()
+            if ready is not None:
+                return ready
+            try:
+                received = self.channel.recv(timeout, routed=False)
+            finally:
+                waiter.awake()
         return None if received is None else received[1]
 
     def poll(self) -> None:
@@ -230,6 +257,27 @@ class Worker:
     def send(self, reply: Message) -> None:
         """Send a message of this worker's own (a weight pull) outside the command-reply pattern."""
         self.mailbox.send(reply, self)
+
+    def failure_reply(self, exc: BaseException) -> Message:
+        """The ERROR reply for ``exc``, raised by env code while this worker handled a command."""
+        if isinstance(exc, ChildEnvError):  # raised in an env process, which captured it
+            failure = exc.failure
+        else:
+            misfit = self.envs.misfit_observation if isinstance(self.envs, RecordingVectorEnv) else None
+            failure = EnvFailure.capture(exc, self.tracker, misfit)
+        return error_reply(failure.shifted(self.env_offset))
+
+    def send_reply(self, reply: Message) -> None:
+        """Send a reply; one that cannot be encoded is answered by an ERROR saying so: it must not end the worker."""
+        try:
+            self.mailbox.send(reply, self)
+        except (PipeClosed, zmq.ZMQError):
+            raise
+        except Exception as exc:
+            if reply.kind is Kind.ERROR:
+                raise  # error replies are bounded (worker/failures.py): this would be a bug, not an env's doing
+            logger.warning("Worker %d: its %s reply could not be sent: %s", self.worker_id, reply.kind.name, exc)
+            self.mailbox.send(self.failure_reply(exc), self)
 
     def close(self) -> None:
         """Close the envs."""

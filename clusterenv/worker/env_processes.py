@@ -207,6 +207,7 @@ class ProcVectorEnv(VectorEnv):
             "action_spaces": [space for part in parts for space in part["action_spaces"]],
             "metadata": parts[0]["metadata"],
             "render_mode": parts[0]["render_mode"],
+            "enforces_order": [flag for part in parts for flag in part["enforces_order"]],
         }
         self.metadata = dict(parts[0]["metadata"], autoreset_mode=self.autoreset_mode)
         self.render_mode = parts[0]["render_mode"]

@@ -24,16 +24,14 @@ from clusterenv.wire.cleanup import remove_stale_dirs
 from clusterenv.wire.liveness import LEARNER_LOST_EXIT_CODE, Heartbeat
 from clusterenv.wire.messages import HelloMeta, InitMeta, meta_of
 from clusterenv.wire.pipes import PipeClosed
-from clusterenv.wire.protocol import Kind, Message
+from clusterenv.wire.protocol import Kind
 from clusterenv.wire.transport import SECRET_ENV_VAR, Channel, Curve, new_identity, resolve_secret
 from clusterenv.worker.commands import Mailbox, Worker
-from clusterenv.worker.env_processes import ENV_PROCESS_LOST_EXIT_CODE, ChildEnvError, EnvProcessLost
-from clusterenv.worker.failures import EnvFailure, error_reply
+from clusterenv.worker.env_processes import ENV_PROCESS_LOST_EXIT_CODE, EnvProcessLost
 from clusterenv.worker.heartbeat import HeartbeatClient
 from clusterenv.worker.local_policy import RolloutAborted
 from clusterenv.worker.local_policy import install as install_policy_handlers
-from clusterenv.worker.recording_env import RecordingVectorEnv
-from clusterenv.worker.shared_steps import ends_with_wake_up, install_step_handlers
+from clusterenv.worker.shared_steps import install_step_handlers
 
 __all__ = ["main", "serve", "use_batch_scheduling"]
 
@@ -60,28 +58,6 @@ def _learner_lost(mailbox: Mailbox) -> int:
             logger.warning("Closing the envs failed.", exc_info=True)
     remove_stale_dirs()
     return LEARNER_LOST_EXIT_CODE
-
-
-def _error_reply(worker: Worker, exc: BaseException) -> Message:
-    if isinstance(exc, ChildEnvError):  # raised in an env process, which captured it
-        failure = exc.failure
-    else:
-        misfit = worker.envs.misfit_observation if isinstance(worker.envs, RecordingVectorEnv) else None
-        failure = EnvFailure.capture(exc, worker.tracker, misfit)
-    return error_reply(failure.shifted(worker.env_offset))
-
-
-def _send_reply(mailbox: Mailbox, worker: Worker, reply: Message) -> None:
-    """Send a reply; one that cannot be encoded is answered by an ERROR saying so: it must not end the worker."""
-    try:
-        mailbox.send(reply, worker)
-    except (PipeClosed, zmq.ZMQError):
-        raise
-    except Exception as exc:
-        if reply.kind is Kind.ERROR:
-            raise  # error replies are bounded (worker/failures.py): this would be a bug, not an env's doing
-        logger.warning("Worker %d: its %s reply could not be sent: %s", worker.worker_id, reply.kind.name, exc)
-        mailbox.send(_error_reply(worker, exc), worker)
 
 
 def serve(
@@ -175,11 +151,9 @@ def serve(
                 logger.error("Worker %d: %s; exiting.", worker.worker_id, exc)
                 return ENV_PROCESS_LOST_EXIT_CODE
             except Exception as exc:
-                reply = _error_reply(worker, exc)
+                reply = worker.failure_reply(exc)
             if reply is not None:
-                _send_reply(mailbox, worker, reply)
-            if ends_with_wake_up(msg):
-                channel.wake()  # a step on the shared path: its results are in the region, its message sent
+                worker.send_reply(reply)
     except PipeClosed:
         logger.warning("Worker %d: the learner closed its pipe; exiting.", own.worker_id)
         return _learner_lost(mailbox)

@@ -23,6 +23,7 @@ import numpy as np
 from gymnasium.envs.registration import EnvSpec
 from gymnasium.vector import SyncVectorEnv
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array
+from gymnasium.wrappers import OrderEnforcing
 
 from clusterenv.wire import shared_memory
 from clusterenv.wire.infos import InfoRecord
@@ -32,7 +33,15 @@ from clusterenv.worker.env_errors import ResettingEnv
 from clusterenv.worker.failures import EnvTracker, TrackedEnvs
 from clusterenv.worker.step_clock import StepClock
 
-__all__ = ["RecordingVectorEnv", "build", "dumps", "install_registry", "learner_registry", "make_envs"]
+__all__ = [
+    "RecordingVectorEnv",
+    "build",
+    "dumps",
+    "enforces_order",
+    "install_registry",
+    "learner_registry",
+    "make_envs",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +180,22 @@ class RecordingVectorEnv(SyncVectorEnv):
             "action_spaces": [env.action_space for env in self.envs],
             "metadata": self.envs[0].metadata,
             "render_mode": self.render_mode,
+            "enforces_order": [enforces_order(env) for env in self.envs],
         }
+
+
+def enforces_order(env: Any) -> bool:
+    """Whether ``env`` refuses a step before its first reset itself: Gymnasium's ``OrderEnforcing`` wraps it.
+
+    ``gym.make`` adds that wrapper; an env built by its class does not, and ``SyncVectorEnv``
+    then steps it before any reset, as clusterenv must too.
+    """
+    env = user_env(env)
+    while isinstance(env, gymnasium.Wrapper):
+        if isinstance(env, OrderEnforcing):
+            return True
+        env = env.env
+    return False
 
 
 def install_registry(specs: dict[str, bytes]) -> dict[str, EnvSpec]:

@@ -1,37 +1,56 @@
 """The worker's side of the shared step path (:mod:`clusterenv.wire.step_region`): SHARE_STEP and WAKE_UP.
 
 After SHARE_STEP, the worker's envs write their observations into the learner's batch in
-the region, and a wake-up byte from the learner is a STEP whose actions are in the
+the region, and a new command counter in its header is a STEP whose actions are in the
 worker's rows. The worker steps its envs exactly as for a STEP message, writes rewards and
-flags into its rows and wakes the learner; only a step with something the region has no
-place for (infos, a usage report) sends a message first, with the infos the message path
-would have sent. An error is an ERROR message, as on the message path, also followed by a
-wake-up.
+flags into its rows and sets its reply status; only a step with something the region has
+no place for (infos, a usage report) sends a message first, with the infos the message path
+would have sent. An error is an ERROR message, as on the message path.
+
+Between steps the worker spins on its command counter for a while
+(:class:`~clusterenv.wire.waiting.SpinBudget`) and steps again as soon as it changes, with
+no system call at all; past the bound it returns to its mailbox, which blocks on its pipe
+and wake socket after raising the header's *waits* word (:meth:`_SharedStepper.sleep`). A
+wake-up byte only says "read the counter": one that finds no new command is ignored.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 from clusterenv.wire.infos import pack_infos
 from clusterenv.wire.leaves import unflatten
 from clusterenv.wire.messages import ResultMeta, StepRegionMeta, ValueMeta, meta_of
 from clusterenv.wire.protocol import Kind, Message
 from clusterenv.wire.step_region import (
+    CALL,
+    COUNTER,
     DONE,
     INFOS,
+    LEARNER_WAITS,
     MESSAGE,
+    MESSAGES,
+    STATUS,
+    STEPPING,
+    WORKER_WAITS,
     InfoLayout,
     WorkerRows,
     attach_rows,
+    fence,
     info_layout,
     write_infos,
 )
+from clusterenv.wire.transport import WAKE_UP
+from clusterenv.wire.waiting import SpinBudget
 from clusterenv.worker.commands import Worker
 from clusterenv.worker.failures import EnvFailure, error_reply
 from clusterenv.worker.recording_env import RecordingVectorEnv, dumps
 
-__all__ = ["ends_with_wake_up", "install_step_handlers"]
+__all__ = ["install_step_handlers"]
+
+# Spin iterations between two reads of the clock (a read costs about as much as ten iterations).
+_POLLS_PER_CLOCK = 16
 
 
 class _SharedStepper:
@@ -41,6 +60,9 @@ class _SharedStepper:
         self.worker = worker
         self.rows: WorkerRows | None = None
         self.layout: InfoLayout | None = None  # the info layout the learner was last told
+        self.answered = 0  # the counter of the last command answered
+        self.messages = 0  # the learner's message count when this worker last turned to its pipe
+        self.spin = SpinBudget(0.0)
 
     def share(self, msg: Message) -> Message:
         """Map the region whose file came on the wake socket; reply whether this worker steps through it now."""
@@ -48,7 +70,7 @@ class _SharedStepper:
         meta = meta_of(msg, StepRegionMeta)
         fd = worker.mailbox.channel.take_fd()
         envs = worker.envs
-        self.rows, self.layout = None, None
+        self.leave()
         if fd is None:
             return Message(Kind.VALUE, ValueMeta(attached=False))
         # One process stepping exactly the rows named: env processes (procs_per_worker > 1) and
@@ -64,23 +86,103 @@ class _SharedStepper:
             envs.observe_into(unflatten(envs.single_observation_space, rows.observations))
             worker.shared_obs = True
             self.rows = rows
+            spin_us = meta["spin_us"]
+            self.spin = SpinBudget(None if spin_us is None else max(0.0, float(spin_us)) * 1e-6)
+            worker.mailbox.waiter = self
         return Message(Kind.VALUE, ValueMeta(attached=rows is not None))
 
-    def step(self, msg: Message) -> Message | None:
-        """Step with the actions in this worker's rows; the reply message, if the rows cannot hold it all.
+    def leave(self) -> None:
+        """Off the path (a new SHARE_STEP, or none): counters from zero, the mailbox blocks as it did."""
+        self.rows, self.layout = None, None
+        self.answered = self.messages = 0
+        if self.worker.mailbox.waiter is self:
+            self.worker.mailbox.waiter = None
 
-        The process wakes the learner after any reply message (:data:`~clusterenv.wire.step_region.MESSAGE`)
-        or none (:data:`~clusterenv.wire.step_region.DONE`): see :func:`ends_with_wake_up`.
+    # -- waiting, with the mailbox ---------------------------------------------------------
+    def sleep(self) -> Message | None:
+        """Before the mailbox blocks: raise the *waits* word; a WAKE_UP if a command came meanwhile."""
+        rows = self.rows
+        assert rows is not None
+        self.messages = rows.command[MESSAGES]  # the mailbox reads every message sent so far
+        rows.reply[WORKER_WAITS] = 1
+        fence()  # the learner's counter, read after our word is visible (it writes, fences, reads ours)
+        if rows.command[COUNTER] != self.answered:
+            rows.reply[WORKER_WAITS] = 0
+            return WAKE_UP
+        return None
+
+    def awake(self) -> None:
+        """The mailbox returned: the learner need not wake this worker."""
+        if self.rows is not None:
+            self.rows.reply[WORKER_WAITS] = 0
+
+    def _await_command(self) -> bool:
+        """Spin until a new command (True), or until a message waits or the bound passes (False)."""
+        rows = self.rows
+        assert rows is not None
+        spin = self.spin
+        bound = spin.bound()
+        if bound <= 0:
+            return False
+        command, answered, messages = rows.command, self.answered, self.messages
+        clock = time.perf_counter
+        started = clock()
+        deadline = started + bound
+        polls = 0
+        while True:
+            if command[COUNTER] != answered:
+                spin.observe(clock() - started, caught=True)
+                return True
+            if command[MESSAGES] != messages:
+                return False
+            polls += 1
+            if polls % _POLLS_PER_CLOCK == 0 and clock() > deadline:
+                spin.observe(2 * bound, caught=False)  # a wait that outlasted the spin: at least this long
+                return False
+
+    # -- stepping --------------------------------------------------------------------------
+    def step(self, msg: Message) -> Message | None:
+        """A wake-up, or a command seen while waiting: serve every command that comes while spinning.
+
+        Replies are sent here, each before its status; nothing is left for the mailbox to send.
         """
-        rows, worker = self.rows, self.worker
+        rows = self.rows
         if rows is None:
             return error_reply(EnvFailure(None, "ProtocolError", "A shared-memory step before SHARE_STEP.", ""))
-        counter, call = int(rows.command[0]), int(rows.command[1])
-        worker.mailbox.seq = call  # what any message about this step (infos, an error) carries
-        envs = worker.envs
+        while rows.command[COUNTER] != self.answered:  # else a wake-up that found nothing new
+            self._step(rows)
+            if not self._await_command():
+                break
+        return None
+
+    def _step(self, rows: WorkerRows) -> None:
+        """Answer the command in the rows: results written, a message if they need one, the status, a wake-up."""
+        worker = self.worker
+        counter = rows.command[COUNTER]
+        worker.mailbox.seq = rows.command[CALL]  # what any message about this step (infos, an error) carries
+        worker.tracker.forget()
+        # The learner takes the observations it received last from here, should this process die mid-step.
+        rows.save_observations()
+        rows.reply[STATUS] = STEPPING
+        rows.reply[COUNTER] = counter
+        try:
+            reply = self._results(rows, counter)
+        except Exception as exc:
+            reply = worker.failure_reply(exc)
+        status = DONE if reply is None else INFOS if reply is _IN_ROWS else MESSAGE
+        if status == MESSAGE:
+            assert isinstance(reply, Message)
+            worker.send_reply(reply)
+        self.answered = counter
+        rows.reply[STATUS] = status
+        fence()  # our status, visible before we read whether the learner sleeps (it raises, fences, reads ours)
+        if rows.command[LEARNER_WAITS]:
+            worker.mailbox.channel.wake()
+
+    def _results(self, rows: WorkerRows, counter: int) -> Message | object | None:
+        """Step the envs with the rows' actions; ``None``: all in the rows; ``_IN_ROWS``: infos too; else a RESULT."""
+        envs = self.worker.envs
         assert isinstance(envs, RecordingVectorEnv)
-        rows.reply[1] = MESSAGE  # until the results are in: an error's reply is a message
-        rows.reply[0] = counter
         # Copies: env code may write into its action, and the rows are the learner's to write next.
         actions = unflatten(envs.single_action_space, [row.copy() for row in rows.actions])
         _, rewards, terminations, truncations, _ = envs.step(actions)
@@ -90,14 +192,12 @@ class _SharedStepper:
         log, envs.info_log = envs.info_log, []
         usage = envs.step_clock.report()  # once a second at most
         if not log and usage is None:
-            rows.reply[1] = DONE
             return None
         payload = pack_infos(log, envs.num_envs, min_envs=1) if log else None
         layout = None if payload is None else info_layout(payload)
         if usage is None and layout is not None and layout == self.layout:
             write_infos(rows.infos, payload)  # type: ignore[arg-type]
-            rows.reply[1] = INFOS
-            return None
+            return _IN_ROWS
         meta = ResultMeta(step=counter)
         if usage is not None:
             meta["usage"] = usage
@@ -107,9 +207,8 @@ class _SharedStepper:
         return Message(Kind.RESULT, meta, [], [dumps(payload) if payload is not None else b""])
 
 
-def ends_with_wake_up(msg: Message) -> bool:
-    """Whether handling ``msg`` ends with a wake-up for the learner, after its reply message if any."""
-    return msg.kind is Kind.WAKE_UP
+# ``_results``' answer for a step whose infos went into the info rows.
+_IN_ROWS = object()
 
 
 def install_step_handlers(worker: Worker) -> None:
