@@ -202,7 +202,8 @@ class WorkerPool:
         self._awaiting: set[int] = set()  # workers whose latest command has had no reply yet
         # The current call's commands recorded but not yet delivered, and the replies taken but not yet
         # returned: a gather interrupted anywhere (Ctrl-C) leaves both here, and the next one goes on from them.
-        self._unsent: set[int] = set()
+        # Worker → the channel's count of messages sent to it before its command (None: into the step region).
+        self._unsent: dict[int, int | None] = {}
         self._replies: dict[int, Message] = {}
         self._failed: set[int] = set()  # workers found lost, until recovery gives them a new host
         # Replies of the current call that arrived while a gather waited for others (streaming calls).
@@ -355,17 +356,10 @@ class WorkerPool:
         weights answering its pull, the learner's probe outputs), which is recovered as that
         command declared.
         """
-        members, frames_for = self.members, self._channel.frames
-        path = self.step_path if kind is Kind.STEP else None
+        members = self.members
         encoded = [
-            (
-                w,
-                None  # its process was given up (rehome): the gather that follows moves the worker
-                if members.serving[w] in members.retired
-                else _SHARED  # the actions go into the step region
-                if path is not None and w in path.on_path and not blobs and not meta and path.takes(arrays, w)
-                else frames_for(kind, self._header(w, meta), arrays, blobs, to=members.identities[w]),
-            )
+            # None: its process was given up (rehome): the gather that follows moves the worker
+            (w, None if members.serving[w] in members.retired else self._encode(w, kind, meta, arrays, blobs))
             for w, (meta, arrays, blobs) in commands.items()
         ]
         sent_at = time.monotonic()
@@ -381,7 +375,9 @@ class WorkerPool:
             if frames is None:
                 self._failed.add(worker_id)
             else:
-                self._unsent.add(worker_id)
+                self._unsent[worker_id] = (
+                    None if frames is _SHARED else self._channel.sent[members.identities[worker_id]]
+                )
         for worker_id, frames in encoded:
             if frames is not None:
                 self._deliver(worker_id, frames, kind)
@@ -402,25 +398,46 @@ class WorkerPool:
                 raise self._fatal(self.recovery.lost_error(worker_id, f"sending {kind.name}")) from exc
             logger.warning("Worker %d is unreachable (%s); it is taken as lost.", worker_id, str(exc))
             self._failed.add(worker_id)
-        self._unsent.discard(worker_id)
+        self._unsent.pop(worker_id, None)
+
+    def _went_out(self, worker_id: int) -> bool:
+        """Whether worker ``worker_id``'s unsent command went out after all: on the channel, or into the region."""
+        mark, path = self._unsent[worker_id], self.step_path
+        if mark is None:  # into the step region: finished there if it was recorded
+            return path is not None and path.resume(worker_id, self.seq)
+        return self._channel.sent[self.members.identities[worker_id]] > mark
 
     def _deliver_unsent(self, worker_ids: set[int]) -> None:
         """Deliver the commands of ``worker_ids`` that an interrupted send left recorded but not sent."""
-        path = self.step_path
-        for worker_id in sorted(worker_ids & self._unsent):
-            sent = self._last_sent[worker_id]
-            if path is not None and path.resume(worker_id, self.seq):
-                self._unsent.discard(worker_id)
+        for worker_id in sorted(worker_ids & self._unsent.keys()):
+            if self._went_out(worker_id):
+                self._unsent.pop(worker_id)
                 continue
-            on_path = path is not None and worker_id in path.on_path and not sent.meta and not sent.blobs
-            if on_path and sent.kind is Kind.STEP and path is not None and path.takes(sent.arrays, worker_id):
-                frames = _SHARED
-            else:
-                header = self._header(worker_id, sent.meta)
-                frames = self._channel.frames(
-                    sent.kind, header, sent.arrays, sent.blobs, to=self.members.identities[worker_id]
-                )
-            self._deliver(worker_id, frames, sent.kind)
+            sent = self._last_sent[worker_id]
+            self._deliver(worker_id, self._encode(worker_id, sent.kind, sent.meta, sent.arrays, sent.blobs), sent.kind)
+
+    def _encode(
+        self,
+        worker_id: int,
+        kind: Kind,
+        meta: Mapping[str, Any] | None,
+        arrays: Sequence[np.ndarray],
+        blobs: Sequence[bytes],
+    ) -> list[Any]:
+        """A command's frames, or ``_SHARED`` for a plain step that goes into the step region."""
+        path = self.step_path
+        if (
+            kind is Kind.STEP
+            and path is not None
+            and worker_id in path.on_path
+            and not blobs
+            and not meta
+            and path.takes(arrays, worker_id)
+        ):
+            return _SHARED
+        return self._channel.frames(
+            kind, self._header(worker_id, meta), arrays, blobs, to=self.members.identities[worker_id]
+        )
 
     def can_step_shared(self) -> bool:
         """Whether a lockstep step of every worker can go through the shared step path alone (:meth:`step_shared`)."""
@@ -449,7 +466,7 @@ class WorkerPool:
             )
             self._sent_at[worker_id] = sent_at
         self._awaiting.update(workers)
-        self._unsent.update(workers)
+        self._unsent.update(dict.fromkeys(workers))  # into the step region
         path.write_actions(actions)
         for worker_id in workers:
             if not path.command(worker_id, self.seq):
@@ -457,7 +474,7 @@ class WorkerPool:
                     raise self._fatal(self.recovery.lost_error(worker_id, "sending STEP"))
                 logger.warning("Worker %d is unreachable; it is taken as lost.", worker_id)
                 self._failed.add(worker_id)
-            self._unsent.discard(worker_id)
+            self._unsent.pop(worker_id, None)
         return self.gather(workers, doing, timeout)
 
     def _header(self, worker_id: int, meta: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -339,7 +339,7 @@ class SharedSteps:
             self.region.workers[worker_id].command[LEARNER_WAITS] = 0
 
     def woken(self, worker_id: int) -> Message | None:
-        """A wake-up read by the pool's receive loop for worker ``worker_id``: its RESULT if its words say so, else None."""
+        """A wake-up the pool read for worker ``worker_id``: its RESULT if its words say so, else ``None``."""
         reply = self.reply(worker_id)
         return None if reply is NOT_YET else reply
 

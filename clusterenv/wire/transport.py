@@ -34,6 +34,7 @@ array frames with it (:mod:`clusterenv.wire.codecs`). On ``ipc://`` nothing is c
 
 from __future__ import annotations
 
+import collections
 import functools
 import ipaddress
 import logging
@@ -254,6 +255,8 @@ class Channel:
     _drop_log: _DropLog = field(default_factory=_DropLog, repr=False)
     #: Seconds spent so far waiting for and receiving messages (the learner's waiting time).
     waited_s: float = field(default=0.0, repr=False)
+    #: Messages handed to the carrier so far, by peer: whether one went out, for a sender interrupted around it.
+    sent: collections.Counter[bytes | None] = field(default_factory=collections.Counter, repr=False)
 
     @classmethod
     def bind_router(
@@ -535,6 +538,7 @@ class Channel:
     def send_frames(self, frames: list[Any], *, to: bytes | None = None) -> None:
         """Send a message encoded by :meth:`frames` (to ``to`` on a ROUTER)."""
         self.carrier.send(frames, to)
+        self.sent[to] += 1
 
     def _hello_session(self) -> Session:
         if self._hello is None:
