@@ -674,3 +674,47 @@ class ScalarInfoCartPole(gym.Wrapper):
         if self.t % 25 == 0:
             info["milestone"] = np.int16(self.t)  # a key the layout does not have: a message for this step
         return obs, reward, terminated, truncated, info
+
+
+class CountingEnv(gym.Env):
+    """Observes its step count; built by its class (no ``OrderEnforcing``), so it steps before any reset.
+
+    Like Stable-Baselines3's ``NanAndInfEnv``: ``SyncVectorEnv`` steps it as it is.
+    """
+
+    def __init__(self) -> None:
+        self.observation_space = spaces.Box(0.0, 1e6, (1,), np.float32)
+        self.action_space = spaces.Discrete(3)
+        self.t = 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.array([self.t], np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        return np.array([self.t], np.float32), float(action), self.t % 7 == 0, False, {}
+
+
+class Stall:
+    """An info value whose pickling takes ``seconds``: the worker stalls after its envs wrote their observations."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __reduce__(self):
+        time.sleep(self.seconds)
+        return (Stall, (self.seconds,))
+
+
+class StallingCountingEnv(CountingEnv):
+    """:class:`CountingEnv` whose step ``stall_at`` reports a :class:`Stall` info: that reply takes a minute."""
+
+    def __init__(self, stall_at: int) -> None:
+        super().__init__()
+        self.stall_at = stall_at
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = super().step(action)
+        return obs, reward, terminated, truncated, ({"stall": Stall(60.0)} if self.t == self.stall_at else info)

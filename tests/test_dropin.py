@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import multiprocessing
 import re
@@ -10,6 +11,8 @@ import gymnasium as gym
 import numpy as np
 import pytest
 from gymnasium import spaces
+from gymnasium.envs.classic_control import CartPoleEnv
+from gymnasium.error import ResetNeeded
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 import clusterenv
@@ -17,6 +20,7 @@ from clusterenv import ClusterEnv, RemoteEnvError, WorkerTimeoutError
 from tests.conftest import assert_same
 from tests.envs import (
     SELF_REGISTERED_ID,
+    CountingEnv,
     FailingEnv,
     ObservationSpaceEnv,
     RichSpacesEnv,
@@ -255,3 +259,37 @@ def test_pickled_actions_are_exact_in_each_autoreset_mode(mode):
         for actions in [("stop", "a", "b"), ("c", "stop", "d"), ("e", "f", "g")]:
             assert_same(reference.step(actions), envs.step(actions))
     reference.close()
+
+
+# -- a step before the first reset -----------------------------------------------------------
+PATHS = {"shared memory": {"num_workers": 2}, "messages": {"num_workers": 2, "shared_memory": False}, **LAYOUTS}
+
+
+@pytest.mark.parametrize("options", PATHS.values(), ids=PATHS)
+def test_envs_built_without_order_enforcing_step_before_any_reset_as_with_sync(options):
+    with ClusterEnv([CountingEnv] * 4, **options) as envs, contextlib.closing(SyncVectorEnv([CountingEnv] * 4)) as ref:
+        for t in range(3):
+            assert_same(ref.step(np.array([t % 3, 1, 2, 0])), envs.step(np.array([t % 3, 1, 2, 0])))
+        assert_same(ref.reset(seed=2), envs.reset(seed=2))
+        assert_same(ref.step(np.array([1, 1, 1, 1])), envs.step(np.array([1, 1, 1, 1])))
+
+
+@pytest.mark.parametrize("options", PATHS.values(), ids=PATHS)
+def test_an_env_that_refuses_a_step_before_reset_raises_its_own_error(options):
+    """A raw CartPole asserts that it was reset: that AssertionError reaches the caller, as from Sync."""
+    with contextlib.closing(SyncVectorEnv([CartPoleEnv] * 2)) as reference, pytest.raises(AssertionError):
+        reference.step(np.array([0, 1]))
+    with ClusterEnv([CartPoleEnv] * 2, **options) as envs:
+        with pytest.raises(AssertionError, match="Call reset before using step method"):
+            envs.step(np.array([0, 1]))
+
+
+@pytest.mark.parametrize("options", PATHS.values(), ids=PATHS)
+def test_envs_made_with_gym_make_raise_reset_needed_and_stay_usable(options):
+    with contextlib.closing(SyncVectorEnv([CARTPOLE] * 2)) as reference, pytest.raises(ResetNeeded):
+        reference.step(np.array([0, 1]))
+    with ClusterEnv([CARTPOLE] * 2, **options) as envs:
+        with pytest.raises(ResetNeeded):
+            envs.step(np.array([0, 1]))
+        envs.reset(seed=0)
+        envs.step(np.array([0, 1]))

@@ -16,7 +16,7 @@ from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize  # noqa: 
 
 from clusterenv.sb3 import ClusterVecEnv  # noqa: E402
 from tests.conftest import assert_same  # noqa: E402
-from tests.envs import FlakyCartPole, NoOptionsEnv, ResetArgumentsEnv, RichSpacesEnv  # noqa: E402
+from tests.envs import CountingEnv, FlakyCartPole, NoOptionsEnv, ResetArgumentsEnv, RichSpacesEnv  # noqa: E402
 
 
 def monitored_cartpole() -> gym.Env:
@@ -197,3 +197,17 @@ def test_an_env_error_ends_the_episode_as_sb3_reports_a_time_limit(tmp_path):
     finally:
         env.close()
     assert errors and sorted(errors) == sorted((tmp_path / "raised.txt").read_text().splitlines())
+
+
+def test_a_step_before_any_reset_returns_what_dummy_vec_env_returns():
+    """Stable-Baselines3's own ``test_check_nan`` steps a raw env (no ``OrderEnforcing``) without a reset."""
+    reference, envs = DummyVecEnv([CountingEnv] * 2), ClusterVecEnv([CountingEnv] * 2, num_workers=2)
+    try:
+        for t in range(3):
+            actions = np.array([t % 3, 2])
+            reference.step_async(actions)
+            envs.step_async(actions)
+            assert_same(reference.step_wait(), envs.step_wait())
+    finally:
+        reference.close()
+        envs.close()

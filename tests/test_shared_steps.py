@@ -50,7 +50,14 @@ from clusterenv.wire.step_region import (
 )
 from clusterenv.wire.transport import WAKE_UP
 from tests.conftest import assert_same, kill_mid_step, pid_alive, wait_until
-from tests.envs import ScalarInfoCartPole, SlowCartPole, SparseInfoRichEnv, TextObsEnv
+from tests.envs import (
+    CountingEnv,
+    ScalarInfoCartPole,
+    SlowCartPole,
+    SparseInfoRichEnv,
+    StallingCountingEnv,
+    TextObsEnv,
+)
 from tests.test_equivalence import MODES, run_lockstep
 from tests.test_first_ready import alone, env_obs, env_row
 
@@ -375,8 +382,9 @@ def test_a_reply_message_completes_the_step_whether_it_or_the_status_comes_first
             _reply(region, 0, counter, MESSAGE)
             assert path.woken(0) is None  # the message is the reply
         message = SimpleNamespace(kind=Kind.RESULT, meta={"seq": 5, "step": counter}, blobs=[b"infos"])
-        assert path.completed(0, message).blobs == [b"infos"]  # type: ignore[arg-type]
-        path.taken(0)
+        result = path.completed(0, message)  # type: ignore[arg-type]
+        assert result.blobs == [b"infos"]
+        path.taken(0, result)
         assert not path.in_flight(0) and path.woken(0) is None
     message = SimpleNamespace(kind=Kind.RESULT, meta={"seq": 5, "step": 99}, blobs=[b""])
     with pytest.raises(ProtocolError, match="Worker 0 .*no step in flight"):
@@ -519,3 +527,26 @@ def test_a_worker_takes_a_step_before_a_record_sent_after_it():
         carrier.close(0)
         learner.close()
         learner_wake.close()
+
+
+@pytest.mark.parametrize("mode", [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP], ids=["next_step", "same_step"])
+def test_a_worker_killed_after_its_envs_wrote_the_next_observations_reports_the_last_received(mode):
+    """The worker's envs wrote step 3's observations into the batch; it dies before replying: step 2's are reported."""
+    env_fns = [functools.partial(StallingCountingEnv, 3)] * 2 + [CountingEnv] * 2
+    with ClusterEnv(env_fns, num_workers=2, on_worker_failure="restart", autoreset_mode=mode) as envs:
+        envs.reset(seed=0)
+        for _ in range(2):
+            obs = envs.step(np.array([0, 0, 0, 0]))[0]
+        assert obs[:, 0].tolist() == [2.0] * 4
+        victim = envs.worker_info[0]["pid"]
+        envs.step_async(np.array([0, 0, 0, 0]))
+        time.sleep(1.0)  # worker 0 stalls pickling its infos, its observations written
+        os.kill(victim, signal.SIGKILL)
+        obs, rewards, terminations, truncations, infos = envs.step_wait()
+        assert infos["worker_restarted"].tolist() == [True, True, False, False]
+        assert truncations[:2].all() and obs[2:, 0].tolist() == [3.0, 3.0]
+        if mode is AutoresetMode.NEXT_STEP:
+            assert obs[:2, 0].tolist() == [2.0, 2.0]  # the cut episodes end on the last observation received
+        else:
+            assert [final[0] for final in infos["final_obs"][:2]] == [2.0, 2.0]
+            assert obs[:2, 0].tolist() == [0.0, 0.0]  # the replacement's new episodes

@@ -637,7 +637,7 @@ class WorkerPool:
     def _taken(self, worker_id: int, msg: Message) -> None:
         """A reply is kept by its caller: the step path's record of it can go, its latency and usage are noted."""
         if self.step_path is not None:
-            self.step_path.taken(worker_id)
+            self.step_path.taken(worker_id, msg)
         self._note_reply(worker_id, msg)
 
     def _take_shared(self, pending: set[int], replies: dict[int, Message] | None = None) -> bool:

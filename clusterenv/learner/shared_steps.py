@@ -103,6 +103,7 @@ class SharedSteps:
         self.spin = SpinBudget(None if spin_us is None else spin_us * 1e-6)
         self._counters = [0] * len(region.slices)  # each worker's last command counter: never reused
         self._in_flight: dict[int, tuple[int, int]] = {}  # worker → (command counter, call number)
+        self._replies: dict[int, Message] = {}  # worker → the RESULT built for its step in flight, until taken
         self._wakers: dict[int, Callable[[], None]] = {}  # worker → what wakes its process
         self._identities: dict[int, bytes] = {}  # worker → its process, for blocking on its wake socket
         self._layouts: dict[int, InfoLayout] = {}  # the info layout each worker named last
@@ -124,6 +125,7 @@ class SharedSteps:
         Its reply goes to :meth:`joined`.
         """
         sent = self._in_flight.pop(worker_id, None)
+        self._replies.pop(worker_id, None)
         rows = self.region.workers[worker_id]
         if sent is not None and worker_id in self.on_path and rows.began(sent[0]):
             rows.restore_observations()
@@ -273,11 +275,16 @@ class SharedSteps:
         if status not in (DONE, INFOS) or (status == INFOS and layout is None):
             raise self._stray(worker_id, f"a reply with status {status}", sent)
         infos = None if status == DONE else read_infos(rows.infos, layout)  # type: ignore[arg-type]
-        return Message(Kind.RESULT, {"seq": sent[1]}, self._fields[worker_id], _NO_INFOS, infos)
+        msg = self._replies[worker_id] = Message(
+            Kind.RESULT, {"seq": sent[1]}, self._fields[worker_id], _NO_INFOS, infos
+        )
+        return msg
 
-    def taken(self, worker_id: int) -> None:
-        """Worker ``worker_id``'s reply was taken (kept by the pool first, so an interrupt here loses nothing)."""
-        self._in_flight.pop(worker_id, None)
+    def taken(self, worker_id: int, msg: Message) -> None:
+        """A reply of worker ``worker_id`` was taken (kept by the pool first): if it is its step's, the step is over."""
+        if self._replies.get(worker_id) is msg:
+            del self._replies[worker_id]
+            self._in_flight.pop(worker_id, None)
 
     def await_reply(self, worker_id: int, wait: float) -> Message | None:
         """:meth:`reply`, waited for: spinning, then blocking on the worker's wake socket, within ``wait`` seconds.
@@ -354,7 +361,8 @@ class SharedSteps:
             except ValueError as exc:
                 raise ProtocolError(f"Worker {worker_id} named an invalid info layout: {exc}") from None
         meta = {key: value for key, value in msg.meta.items() if key not in ("step", "info_layout")}
-        return Message(Kind.RESULT, meta, self._fields[worker_id], msg.blobs)
+        result = self._replies[worker_id] = Message(Kind.RESULT, meta, self._fields[worker_id], msg.blobs)
+        return result
 
     @staticmethod
     def _stray(worker_id: int, what: str, sent: tuple[int, int] | None) -> ProtocolError:

@@ -1,0 +1,145 @@
+"""Ctrl-C anywhere in a step leaves it to ``step_wait()``, which returns exactly what the uninterrupted step would.
+
+Notebook users interrupt cells. A ``KeyboardInterrupt`` is raised here at each point of a
+lockstep step, on both paths (before anything is sent, between two workers' commands, after
+every command, with none, one or all replies taken), and the step is then finished by
+``step_wait()`` and compared with ``SyncVectorEnv``; the run goes on exactly after it.
+"""
+
+from __future__ import annotations
+
+import _thread
+import contextlib
+import functools
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import closing
+from unittest import mock
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.vector import SyncVectorEnv
+
+from clusterenv import ClusterEnv
+from clusterenv.learner.pool import WorkerPool
+from clusterenv.learner.shared_steps import SharedSteps
+from clusterenv.wire.transport import Channel
+from tests.conftest import assert_same, wait_until
+
+CARTPOLES = [functools.partial(gym.make, "CartPole-v1")] * 4
+PATHS = {"shared memory": {}, "messages": {"shared_memory": False}}
+
+
+@contextlib.contextmanager
+def interrupt_at(owner: type, method: str, call: int, after: bool) -> Iterator[None]:
+    """Raise ``KeyboardInterrupt`` at the ``call``-th call of ``owner.method``: before it runs, or just after."""
+    original = getattr(owner, method)
+    calls = 0
+
+    def interrupted(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == call and not after:
+            raise KeyboardInterrupt
+        result = original(*args, **kwargs)
+        if calls == call:
+            raise KeyboardInterrupt
+        return result
+
+    with mock.patch.object(owner, method, interrupted):
+        yield
+
+
+# (where, what is patched): the points of a step, in the order a step reaches them.
+SHARED_POINTS = {
+    "before any command": (SharedSteps, "_command", 1, False),
+    "inside the first command, before its counter": (SharedSteps, "_publish", 1, False),
+    "after the first command": (SharedSteps, "_publish", 1, True),
+    "after every command": (SharedSteps, "_publish", 2, True),
+    "one reply taken": (WorkerPool, "_note_reply", 1, True),
+    "every reply taken": (WorkerPool, "_note_reply", 2, True),
+}
+MESSAGE_POINTS = {
+    "before any command": (Channel, "send_frames", 1, False),
+    "after the first command": (Channel, "send_frames", 1, True),
+    "after every command": (Channel, "send_frames", 2, True),
+    "one reply taken": (WorkerPool, "_note_reply", 1, True),
+    "every reply taken": (WorkerPool, "_note_reply", 2, True),
+}
+CASES = [
+    pytest.param(path, *point, id=f"{path}: {where}")
+    for path, points in (("shared memory", SHARED_POINTS), ("messages", MESSAGE_POINTS))
+    for where, point in points.items()
+]
+
+
+def step_both(reference: SyncVectorEnv, envs: ClusterEnv, actions: np.ndarray) -> None:
+    assert_same(reference.step(actions), envs.step(actions))
+
+
+@pytest.mark.parametrize("path, owner, method, call, after", CASES)
+@pytest.mark.parametrize("how", ["step", "step_async"])
+def test_a_step_interrupted_anywhere_is_finished_exactly_by_step_wait(path, owner, method, call, after, how):
+    with (
+        ClusterEnv(CARTPOLES, num_workers=2, **PATHS[path]) as envs,
+        closing(SyncVectorEnv(CARTPOLES)) as reference,
+    ):
+        assert_same(reference.reset(seed=4), envs.reset(seed=4))
+        for t in range(3):
+            step_both(reference, envs, np.array([t % 2, 1, 0, 1]))
+        actions = np.array([1, 0, 0, 1])
+        with interrupt_at(owner, method, call, after), pytest.raises(KeyboardInterrupt):
+            if how == "step":
+                envs.step(actions)
+            else:
+                envs.step_async(actions)
+                envs.step_wait()
+        assert_same(reference.step(actions), envs.step_wait())
+        for t in range(20):  # every env steps once per step from here on: nothing was lost or done twice
+            step_both(reference, envs, np.array([1, t % 2, 1, 0]))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_reset_interrupted_while_sending_is_finished_by_reset_wait(path):
+    with (
+        ClusterEnv(CARTPOLES, num_workers=2, **PATHS[path]) as envs,
+        closing(SyncVectorEnv(CARTPOLES)) as reference,
+    ):
+        envs.reset(seed=0)
+        with interrupt_at(Channel, "send_frames", 1, True), pytest.raises(KeyboardInterrupt):
+            envs.reset(seed=9)
+        assert_same(reference.reset(seed=9), envs.reset_wait())
+        step_both(reference, envs, np.array([0, 1, 1, 0]))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_ctrl_c_while_waiting_for_a_frozen_worker_keeps_the_reply_already_taken(path):
+    """The reported case: the fast worker's reply is taken, then Ctrl-C lands while the learner waits for the other."""
+    with (
+        ClusterEnv(CARTPOLES, num_workers=2, **PATHS[path]) as envs,
+        closing(SyncVectorEnv(CARTPOLES)) as reference,
+    ):
+        assert_same(reference.reset(seed=6), envs.reset(seed=6))
+        slow = envs.worker_info[1]["pid"]
+        os.kill(slow, signal.SIGSTOP)
+        taken: list[int] = []
+        note_reply = WorkerPool._note_reply
+
+        def noting(pool, worker_id, msg):
+            taken.append(worker_id)
+            return note_reply(pool, worker_id, msg)
+
+        interrupt = threading.Thread(target=lambda: wait_until(lambda: taken, 10) and _thread.interrupt_main())
+        try:
+            with mock.patch.object(WorkerPool, "_note_reply", noting), pytest.raises(KeyboardInterrupt):
+                interrupt.start()
+                envs.step(np.array([0, 1, 1, 0]))
+            interrupt.join()
+            assert taken == [0]
+        finally:
+            os.kill(slow, signal.SIGCONT)
+        assert_same(reference.step(np.array([0, 1, 1, 0])), envs.step_wait(timeout=10))
+        step_both(reference, envs, np.array([1, 1, 0, 0]))
