@@ -20,8 +20,8 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_envs import NullEnv  # noqa: E402
 
-from clusterenv.worker.failures import EnvTracker  # noqa: E402
-from clusterenv.worker.recording_env import build  # noqa: E402
+from clusterenv.stepping.failures import EnvTracker  # noqa: E402
+from clusterenv.stepping.recording_env import build  # noqa: E402
 
 
 def per_step_us(env_fn: object, timed: bool) -> float:

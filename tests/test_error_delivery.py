@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from clusterenv import ClusterEnv, EveryUpdate, PolicyRunner, Recycle, RemoteEnvError, WorkerStartError
 from clusterenv.launch.launchers import LocalLauncher
-from clusterenv.worker.failures import MAX_MESSAGE_BYTES, MAX_TRACEBACK_BYTES
+from clusterenv.stepping.failures import MAX_MESSAGE_BYTES, MAX_TRACEBACK_BYTES
 from clusterenv.worker.process import use_batch_scheduling
 from tests.conftest import assert_same, child_pids
 from tests.envs import EmptyLeafEnv, OddErrorEnv, UnprintableError

@@ -20,10 +20,11 @@ PACKAGE = Path(__file__).resolve().parents[1] / "clusterenv"
 MAY_IMPORT: dict[str, set[str]] = {
     "errors": set(),
     "wire": {"errors"},
+    "stepping": {"errors", "wire"},
     "policy": {"errors", "wire"},
-    "worker": {"errors", "wire", "policy"},
+    "worker": {"errors", "wire", "policy", "stepping"},
     "launch": {"errors", "wire"},
-    "learner": {"errors", "wire", "policy", "launch"},
+    "learner": {"errors", "wire", "policy", "launch", "stepping"},
     "make": {"learner"},
     "sb3": {"errors", "wire", "learner"},
     "__init__": {"errors", "wire", "policy", "launch", "learner", "make"},

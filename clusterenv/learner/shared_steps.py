@@ -47,7 +47,7 @@ from clusterenv.wire.step_region import (
     MESSAGES as MESSAGES_SENT,
 )
 from clusterenv.wire.transport import Channel
-from clusterenv.wire.waiting import SpinBudget, spinners_fit
+from clusterenv.wire.waiting import SpinBudget, spinners_fit, yield_core
 
 __all__ = ["NOT_YET", "SHARED_MEMORY", "MESSAGES", "SharedSteps"]
 
@@ -307,8 +307,10 @@ class SharedSteps:
                     spin.observe(clock() - started, caught=True)
                     return self.reply(worker_id)
                 polls += 1
-                if polls % _POLLS_PER_CLOCK == 0 and clock() >= deadline:
-                    break
+                if polls % _POLLS_PER_CLOCK == 0:
+                    if clock() >= deadline:
+                        break
+                    yield_core()
         command = self.region.workers[worker_id].command
         command[LEARNER_WAITS] = 1
         try:

@@ -2,7 +2,7 @@
 
 clusterenv wraps an env where it must change how the env is called: the Stable-Baselines3
 adapter resets it by SB3's rule (``clusterenv.sb3``), and ``on_env_error="reset"`` catches its
-errors (``worker/env_errors.py``). Such a wrapper is a :class:`Layer`: ``ClusterEnv.apply`` hands
+errors (``stepping/env_errors.py``). Such a wrapper is a :class:`Layer`: ``ClusterEnv.apply`` hands
 functions the env inside every layer (:func:`user_env`), and attributes set on it go to that env,
 so user code sees the env as its factory made it.
 """

@@ -18,6 +18,8 @@ import numpy as np
 import zmq
 from gymnasium.vector import AutoresetMode
 
+from clusterenv.stepping.failures import EnvFailure, EnvTracker, error_reply
+from clusterenv.stepping.recording_env import RecordingVectorEnv, build, dumps, learner_registry
 from clusterenv.wire.infos import pack_infos
 from clusterenv.wire.leaves import batch_of_items, is_array_tree, leaf_arrays, unflatten
 from clusterenv.wire.messages import CallMeta, InitMeta, ResetMeta, ResultMeta, ShareObsMeta, ValueMeta, meta_of
@@ -25,8 +27,6 @@ from clusterenv.wire.pipes import PipeClosed
 from clusterenv.wire.protocol import Kind, Message
 from clusterenv.wire.transport import Channel
 from clusterenv.worker.env_processes import ChildEnvError, ProcVectorEnv
-from clusterenv.worker.failures import EnvFailure, EnvTracker, error_reply
-from clusterenv.worker.recording_env import RecordingVectorEnv, build, dumps, learner_registry
 
 __all__ = ["Mailbox", "Waiter", "Worker"]
 
@@ -275,7 +275,7 @@ class Worker:
             raise
         except Exception as exc:
             if reply.kind is Kind.ERROR:
-                raise  # error replies are bounded (worker/failures.py): this would be a bug, not an env's doing
+                raise  # error replies are bounded (stepping/failures.py): this would be a bug, not an env's doing
             logger.warning("Worker %d: its %s reply could not be sent: %s", self.worker_id, reply.kind.name, exc)
             self.mailbox.send(self.failure_reply(exc), self)
 

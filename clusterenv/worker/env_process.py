@@ -2,7 +2,7 @@
 
 Worker side. Started by :class:`clusterenv.worker.env_processes.ProcVectorEnv` as
 ``python -m clusterenv.worker.env_process --fd FD --parent-pid PID``; it builds its part of the
-worker's envs as a :class:`~clusterenv.worker.recording_env.RecordingVectorEnv` and answers the
+worker's envs as a :class:`~clusterenv.stepping.recording_env.RecordingVectorEnv` and answers the
 worker's commands on its end of their socketpair until the worker says close or is gone.
 Each reply is ``("ok", value)`` or ``("error", (env index, type name, message,
 traceback, pickled exception))``.
@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
+from clusterenv.stepping.failures import EnvFailure, EnvTracker
+from clusterenv.stepping.recording_env import RecordingVectorEnv, build, dumps, learner_registry
 from clusterenv.wire.leaves import batch_of_items, is_array_tree, unflatten
-from clusterenv.worker.failures import EnvFailure, EnvTracker
-from clusterenv.worker.recording_env import RecordingVectorEnv, build, dumps, learner_registry
 
 __all__ = ["main"]
 

@@ -3,7 +3,7 @@
 Worker side. With ``ClusterEnv(..., procs_per_worker=N)`` (or ``clusterenv-worker --procs N``)
 a worker splits its slice into ``min(N, slice size)`` contiguous parts and starts one child
 process per part (``python -m clusterenv.worker.env_process``). Each child steps its part with a
-:class:`~clusterenv.worker.recording_env.RecordingVectorEnv`, exactly as a worker steps its whole
+:class:`~clusterenv.stepping.recording_env.RecordingVectorEnv`, exactly as a worker steps its whole
 slice with ``procs_per_worker=1``, so results stay bit-identical to one ``SyncVectorEnv``.
 A 64-core host is then one ZeroMQ peer of the learner: the learner's cost grows with
 hosts, not with processes.
@@ -50,6 +50,9 @@ from gymnasium import Space
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_differing_spaces, batch_space, concatenate, create_empty_array, iterate
 
+from clusterenv.stepping.failures import EnvFailure
+from clusterenv.stepping.recording_env import dumps
+from clusterenv.stepping.step_clock import StepClock
 from clusterenv.wire import shared_memory
 from clusterenv.wire.contract import (
     by_part,
@@ -63,9 +66,6 @@ from clusterenv.wire.contract import (
 from clusterenv.wire.infos import InfoRecord
 from clusterenv.wire.leaves import is_array_tree, leaf_arrays
 from clusterenv.wire.processes import child_environment
-from clusterenv.worker.failures import EnvFailure
-from clusterenv.worker.recording_env import dumps
-from clusterenv.worker.step_clock import StepClock
 
 __all__ = ["ENV_PROCESS_LOST_EXIT_CODE", "ChildEnvError", "EnvProcessLost", "ProcVectorEnv"]
 
@@ -151,7 +151,7 @@ class _Child:
 class ProcVectorEnv(VectorEnv):
     """A worker's slice of envs, stepped by ``min(num_procs, len(env_blobs))`` child processes.
 
-    The same accessors as :class:`~clusterenv.worker.recording_env.RecordingVectorEnv` (``info_log``,
+    The same accessors as :class:`~clusterenv.stepping.recording_env.RecordingVectorEnv` (``info_log``,
     ``current_observations``, ``autoresetting``...), so the worker and its local-policy
     handlers use either one.
 
@@ -162,7 +162,7 @@ class ProcVectorEnv(VectorEnv):
         autoreset_mode: Gymnasium's autoreset mode.
         env_offset: the global index of the slice's first env, for messages.
         registry: the learner's env registry (pickled specs by id), installed in every child before its factories run.
-        max_env_errors: under ``on_env_error="reset"``, the errors each env may raise (see ``worker/env_errors.py``).
+        max_env_errors: under ``on_env_error="reset"``, the errors each env may raise (see ``stepping/env_errors.py``).
     """
 
     info_log: list[InfoRecord]

@@ -2,7 +2,7 @@
 
 Run by the local launcher as ``python -m clusterenv.worker``, or by hand / ``srun`` on
 another host as ``clusterenv-worker --connect tcp://HOST:PORT``. A worker steps its
-slice as one :class:`gymnasium.vector.SyncVectorEnv` (``clusterenv.worker.recording_env``), or with
+slice as one :class:`gymnasium.vector.SyncVectorEnv` (``clusterenv.stepping.recording_env``), or with
 ``procs_per_worker=N`` (``--procs N``) as N of them in child processes
 (``clusterenv.worker.env_processes``), so every per-env semantic (autoreset modes, seeding, info
 batching) is Gymnasium's own code, not a re-implementation.

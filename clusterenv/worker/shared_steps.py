@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 import time
 
+from clusterenv.stepping.failures import EnvFailure, error_reply
+from clusterenv.stepping.recording_env import RecordingVectorEnv, dumps
 from clusterenv.wire.infos import pack_infos
 from clusterenv.wire.leaves import unflatten
 from clusterenv.wire.messages import ResultMeta, StepRegionMeta, ValueMeta, meta_of
@@ -42,10 +44,8 @@ from clusterenv.wire.step_region import (
     write_infos,
 )
 from clusterenv.wire.transport import WAKE_UP
-from clusterenv.wire.waiting import SpinBudget
+from clusterenv.wire.waiting import SpinBudget, yield_core
 from clusterenv.worker.commands import Worker
-from clusterenv.worker.failures import EnvFailure, error_reply
-from clusterenv.worker.recording_env import RecordingVectorEnv, dumps
 
 __all__ = ["install_step_handlers"]
 
@@ -136,9 +136,11 @@ class _SharedStepper:
             if command[MESSAGES] != messages:
                 return False
             polls += 1
-            if polls % _POLLS_PER_CLOCK == 0 and clock() > deadline:
-                spin.observe(2 * bound, caught=False)  # a wait that outlasted the spin: at least this long
-                return False
+            if polls % _POLLS_PER_CLOCK == 0:
+                if clock() > deadline:
+                    spin.observe(2 * bound, caught=False)  # a wait that outlasted the spin: at least this long
+                    return False
+                yield_core()
 
     # -- stepping --------------------------------------------------------------------------
     def step(self, msg: Message) -> Message | None:

@@ -24,8 +24,8 @@ from typing import Any
 
 import gymnasium as gym
 
+from clusterenv.stepping.failures import describe_exception
 from clusterenv.wire.layers import Layer
-from clusterenv.worker.failures import describe_exception
 
 __all__ = ["ENV_ERROR_KEY", "ERROR_WINDOW_STEPS", "REBUILD_ATTEMPTS", "ResettingEnv"]
 

@@ -25,13 +25,13 @@ from gymnasium.vector import SyncVectorEnv
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array
 from gymnasium.wrappers import OrderEnforcing
 
+from clusterenv.stepping.env_errors import ResettingEnv
+from clusterenv.stepping.failures import EnvTracker, TrackedEnvs
+from clusterenv.stepping.step_clock import StepClock
 from clusterenv.wire import shared_memory
 from clusterenv.wire.infos import InfoRecord
 from clusterenv.wire.layers import user_env
 from clusterenv.wire.leaves import leaf_arrays
-from clusterenv.worker.env_errors import ResettingEnv
-from clusterenv.worker.failures import EnvTracker, TrackedEnvs
-from clusterenv.worker.step_clock import StepClock
 
 __all__ = [
     "RecordingVectorEnv",

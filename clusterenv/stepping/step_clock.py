@@ -1,7 +1,7 @@
 """How long each env step takes, measured in the process that steps the env.
 
 ``SyncVectorEnv`` reaches each env through its ``envs`` list just before stepping it (the
-worker keeps that list as a :class:`~clusterenv.worker.failures.TrackedEnvs`), so the time
+worker keeps that list as a :class:`~clusterenv.stepping.failures.TrackedEnvs`), so the time
 from reaching one env to reaching the next is that env's step, plus Gymnasium's few µs of
 bookkeeping for it; the last env's ends when the batch step returns. An autoreset inside a
 step (``SAME_STEP``) is timed as a step of its own. One ``perf_counter`` per env step: no

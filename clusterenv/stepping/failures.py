@@ -21,8 +21,8 @@ from typing import Any
 import cloudpickle
 from gymnasium.vector.utils import concatenate
 
+from clusterenv.stepping.step_clock import StepClock
 from clusterenv.wire.protocol import Kind, Message
-from clusterenv.worker.step_clock import StepClock
 
 __all__ = [
     "MAX_MESSAGE_BYTES",
@@ -50,13 +50,13 @@ class EnvTracker:
     """Which env the worker's code reached last, so that the env that raises is known by its index.
 
     ``SyncVectorEnv``'s loops reach each env by indexing or iterating its ``envs`` list just
-    before calling it; :class:`~clusterenv.worker.recording_env.RecordingVectorEnv` keeps that
+    before calling it; :class:`~clusterenv.stepping.recording_env.RecordingVectorEnv` keeps that
     list as a :class:`TrackedEnvs` that writes the index here, as do the loops that build the envs.
     """
 
     def __init__(self) -> None:
         self.reached: int | None = None
-        #: Times each env step while a batch step runs (:mod:`clusterenv.worker.step_clock`).
+        #: Times each env step while a batch step runs (:mod:`clusterenv.stepping.step_clock`).
         self.clock = StepClock()
 
     def forget(self) -> None:
