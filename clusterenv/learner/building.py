@@ -14,6 +14,7 @@ from typing import Any
 from gymnasium import spaces
 from gymnasium.vector import AutoresetMode
 
+from clusterenv.learner.own_envs import LearnerEnvs
 from clusterenv.learner.pool import WorkerPool
 from clusterenv.learner.step_buffers import BatchBuffers, share_steps, share_with_local_workers
 from clusterenv.learner.validation import worker_context
@@ -51,6 +52,7 @@ def build_envs(
     shared_memory: bool,
     spin_us: float | None,
     timeout: float,
+    own: LearnerEnvs | None = None,
 ) -> BuiltEnvs:
     """Send every worker its INIT, wait for the envs to be built, and derive the batch from what they report.
 
@@ -67,6 +69,7 @@ def build_envs(
             (``step_buffers.share_steps``), or else write large observations into it.
         spin_us: how each side of the shared step path waits (:class:`~clusterenv.learner.shared_steps.SharedSteps`).
         timeout: seconds for every worker to build its envs.
+        own: the envs the learner steps itself, built already (envs ``0..k-1``; the slices follow).
     """
     custom = isinstance(observation_mode, tuple)
     context = worker_context(observation_mode[1] if custom else None)
@@ -82,6 +85,8 @@ def build_envs(
         pool.send_init(w, meta, [context, *pickled_fns[sl]])
     replies = pool.gather(range(len(slices)), "building envs", timeout)
     descriptions = [pool.loads(replies[w].blobs[0]) for w in range(len(slices))]
+    if own is not None:
+        descriptions.insert(0, own.description())
     obs_spaces = [s for d in descriptions for s in d["observation_spaces"]]
     action_spaces = [s for d in descriptions for s in d["action_spaces"]]
     single_observation_space, observation_space, single_action_space, action_space = vector_spaces(
@@ -96,7 +101,17 @@ def build_envs(
             if region is not None
             else share_with_local_workers(pool, single_observation_space, slices, timeout)
         )
-    num_envs = sum(sl.stop - sl.start for sl in slices)
+    num_envs = slices[-1].stop
+    buffers = BatchBuffers(
+        single_observation_space,
+        observation_space,
+        num_envs,
+        pool.loads,
+        observations=shared,
+        step_fields=None if region is None else region.step_fields,
+    )
+    if own is not None:
+        own.observe_into(buffers.observations)
     return BuiltEnvs(
         metadata={**descriptions[0]["metadata"], "autoreset_mode": autoreset_mode},
         render_mode=descriptions[0]["render_mode"],
@@ -105,12 +120,5 @@ def build_envs(
         observation_space=observation_space,
         single_action_space=single_action_space,
         action_space=action_space,
-        buffers=BatchBuffers(
-            single_observation_space,
-            observation_space,
-            num_envs,
-            pool.loads,
-            observations=shared,
-            step_fields=None if region is None else region.step_fields,
-        ),
+        buffers=buffers,
     )

@@ -440,20 +440,20 @@ class WorkerPool:
         )
 
     def can_step_shared(self) -> bool:
-        """Whether a lockstep step of every worker can go through the shared step path alone (:meth:`step_shared`)."""
+        """Whether a lockstep step of every worker can go through the shared step path alone (:meth:`send_shared`)."""
         path = self.step_path
         return path is not None and path.everyone and not self._failed and not self._unread and not self.cuts
 
     def takes_shared(self, actions: Sequence[np.ndarray]) -> bool:
-        """Whether the batch's ``actions`` can go into the step region as they are (see :meth:`step_shared`)."""
+        """Whether the batch's ``actions`` can go into the step region as they are (see :meth:`send_shared`)."""
         return self.step_path is not None and self.step_path.takes(actions)
 
-    def step_shared(self, actions: Sequence[np.ndarray], doing: str, timeout: float | None) -> dict[int, Message]:
-        """A lockstep STEP of every worker, all on the shared step path: what ``send_each`` and ``gather`` would do.
+    def send_shared(self, actions: Sequence[np.ndarray]) -> None:
+        """A lockstep STEP to every worker, all on the shared step path: what ``send_each`` would do.
 
         The batch's actions go into the region at once, and the command each worker would be
         sent is recorded for recovery (a lost worker's episodes are cut, :data:`OnLoss.INTERRUPT`)
-        and for an interrupted send. Returns the replies, as :meth:`gather` does.
+        and for an interrupted send. :meth:`gather` waits for the replies.
         """
         path = self.step_path
         assert path is not None
@@ -475,7 +475,6 @@ class WorkerPool:
                 logger.warning("Worker %d is unreachable; it is taken as lost.", worker_id)
                 self._failed.add(worker_id)
             self._unsent.pop(worker_id, None)
-        return self.gather(workers, doing, timeout)
 
     def _header(self, worker_id: int, meta: Mapping[str, Any] | None) -> dict[str, Any]:
         """A command's meta as sent: the call number, and the worker's slot if another process serves it."""

@@ -34,6 +34,7 @@ __all__ = [
     "check_first_ready",
     "check_flag",
     "check_indices",
+    "check_learner_envs",
     "check_min_workers",
     "check_num_workers",
     "check_observation_mode",
@@ -60,8 +61,15 @@ def check_choice(name: str, value: Any, choices: Sequence[Any]) -> Any:
     return value
 
 
-def check_first_ready(observation_mode: Any, autoreset_mode: AutoresetMode | None = None) -> None:
-    """Check first-ready batches' needs: one observation space, and for ``async_reset`` an autoreset mode."""
+def check_first_ready(
+    observation_mode: Any, autoreset_mode: AutoresetMode | None = None, learner_envs: int = 0
+) -> None:
+    """Check first-ready batches' needs: one observation space, every env in a worker, an autoreset mode."""
+    if learner_envs:
+        raise ValueError(
+            f"async_reset/send/recv step whole workers as they come back, and the learner steps {learner_envs} "
+            "envs itself (`learner_envs`): use `learner_envs=0` for first-ready batches."
+        )
     if observation_mode == "different":
         raise ValueError(
             "async_reset/send/recv batch any subset of envs, so they need observation_mode='same' "
@@ -403,7 +411,20 @@ def worker_context(observation_space: spaces.Space | None) -> bytes:
     return cloudpickle.dumps({"registry": specs, "observation_space": observation_space})
 
 
-def default_num_workers(num_envs: int) -> int:
-    """One worker per available core, at most one per env."""
+def default_num_workers(num_envs: int, learner_busy: bool = False) -> int:
+    """One worker per available core (but the learner's, where it steps envs itself), at most one per env."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(cores, num_envs))
+    return max(1, min(cores - learner_busy, num_envs))
+
+
+def check_learner_envs(learner_envs: Any, num_envs: int, batch_size: Any) -> int:
+    """How many envs the learner steps itself: from 0 to ``num_envs - 1`` (the workers keep at least one)."""
+    value = _integer("learner_envs", learner_envs)
+    if not 0 <= value < num_envs:
+        raise ValueError(
+            f"`learner_envs` must be between 0 and num_envs - 1 ({num_envs - 1}): the workers step at least one "
+            f"env, got {value}."
+        )
+    if value and batch_size is not None:
+        raise ValueError("`batch_size` is for first-ready batches, which need `learner_envs=0`.")
+    return value

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import gymnasium
 import numpy as np
@@ -18,6 +18,7 @@ from clusterenv.launch.launchers import Launcher
 from clusterenv.learner.building import build_envs
 from clusterenv.learner.cuts import Cut
 from clusterenv.learner.first_ready import FirstReady, Ready
+from clusterenv.learner.own_envs import LearnerEnvs
 from clusterenv.learner.pool import Command, FollowUp, OnLoss, WorkerPool, weak_callback
 from clusterenv.learner.recycling import Recycle, Recycler
 from clusterenv.learner.step_buffers import WORKER_RESTARTED_KEY, BatchBuffers
@@ -32,6 +33,7 @@ from clusterenv.learner.validation import (
     check_first_ready,
     check_flag,
     check_indices,
+    check_learner_envs,
     check_min_workers,
     check_num_workers,
     check_observation_mode,
@@ -52,7 +54,7 @@ from clusterenv.wire.contract import (
     split_evenly,
     values_by_part,
 )
-from clusterenv.wire.leaves import is_array_tree, leaf_specs
+from clusterenv.wire.leaves import batch_of_items, is_array_tree, leaf_specs, unflatten
 from clusterenv.wire.liveness import Heartbeat
 from clusterenv.wire.messages import CallMeta, ResetMeta
 from clusterenv.wire.protocol import Kind, Message
@@ -60,6 +62,12 @@ from clusterenv.wire.protocol import Kind, Message
 __all__ = ["WORKER_RESTARTED_KEY", "ClusterEnv"]
 
 logger = logging.getLogger(__name__)
+
+
+#: The key of the learner's own envs among the parts of a call (workers are 0, 1, ...).
+OWN = -1
+_NONE: Any = object()  # no part of a call for the learner's own envs
+_V = TypeVar("_V")
 
 
 class ClusterEnv(VectorEnv):
@@ -105,6 +113,7 @@ class ClusterEnv(VectorEnv):
         compression: str | None = "lz4",
         recycle: Recycle | None = None,
         spin_us: float | None = None,
+        learner_envs: int = 0,
     ) -> None:
         """Start the workers and build the envs in them.
 
@@ -168,6 +177,12 @@ class ClusterEnv(VectorEnv):
                 in µs. ``None`` (default): adapted to how long recent waits took (up to 1 ms), where
                 the learner and every local worker have a core each (else nobody spins); ``0``:
                 never; a number: that bound, within the same rule (docs/guides/dropin.md).
+            learner_envs: the first ``learner_envs`` envs are stepped by the learner itself, in its
+                own process, while the workers step theirs (envs whose step costs less than waking
+                a process). No process isolation for them: a crash in one is a crash of the
+                learner, an exception follows ``on_env_error``; recycling, usage reports and
+                timeouts do not apply to them. Lockstep ``reset``/``step`` and attribute calls
+                only: not with first-ready batches or a ``PolicyRunner`` (docs/guides/dropin.md).
         """
         super().__init__()
         self._state = AsyncState.DEFAULT
@@ -175,9 +190,10 @@ class ClusterEnv(VectorEnv):
         self.closed = True  # until the workers are up, close() has nothing to do
         check_env_fns(env_fns)
         self.num_envs = len(env_fns)
+        self.learner_envs = own = check_learner_envs(learner_envs, self.num_envs, batch_size)
         if num_workers is None:
-            num_workers = default_num_workers(self.num_envs)
-        self.num_workers = num_workers = check_num_workers(num_workers, self.num_envs)
+            num_workers = default_num_workers(self.num_envs - own, learner_busy=own > 0)
+        self.num_workers = num_workers = check_num_workers(num_workers, self.num_envs - own)
         self.procs_per_worker = check_procs_per_worker(procs_per_worker)
         mode = autoreset_mode.value if isinstance(autoreset_mode, AutoresetMode) else autoreset_mode
         self.autoreset_mode = AutoresetMode(check_choice("autoreset_mode", mode, [m.value for m in AutoresetMode]))
@@ -194,7 +210,8 @@ class ClusterEnv(VectorEnv):
         self.heartbeat = Heartbeat() if heartbeat is None else heartbeat
         pickled_fns = [pickle_env_fn(i, fn) for i, fn in enumerate(env_fns)]
 
-        self._slices = split_evenly(self.num_envs, num_workers)
+        # The workers' envs follow the learner's own.
+        self._slices = [slice(own + sl.start, own + sl.stop) for sl in split_evenly(self.num_envs - own, num_workers)]
         self._batch_size = check_batch_size(batch_size, self.num_envs, num_workers)
         self._first_ready = FirstReady(self._slices, self.num_envs)
         self._observation_mode = observation_mode
@@ -221,8 +238,16 @@ class ClusterEnv(VectorEnv):
         self.address = self._pool.address
         self._needs_reset = True
         self.closed = False
+        self._own: LearnerEnvs | None = None
+        # The learner's own envs' part of the reset or step in progress: due, and its reply once they ran.
+        self._own_reply: Message | None = None
+        self._own_due = False
+        self._own_results: list[Any] | None = None  # the learner's own envs' part of a call in progress
         try:
             self._recycler = None if recycle is None else Recycler(recycle, self._pool)
+            if own:
+                single = observation_mode[1] if isinstance(observation_mode, tuple) else observation_mode
+                self._own = LearnerEnvs(pickled_fns[:own], single, self.autoreset_mode, self._max_env_errors)
             self._pool.start()
             built = build_envs(
                 self._pool,
@@ -235,6 +260,7 @@ class ClusterEnv(VectorEnv):
                 shared_memory=self.shared_memory,
                 spin_us=spin_us,
                 timeout=start_timeout,
+                own=self._own,
             )
         except BaseException:
             self.close(terminate=True)
@@ -291,6 +317,11 @@ class ClusterEnv(VectorEnv):
         Inside, ``reset``/``step``/``call`` raise ``AlreadyPendingCallError`` (naming ``holder``, if given);
         the pool's sequence number is new, so replies to earlier calls are ignored.
         """
+        if self._own is not None:
+            raise ValueError(
+                f"{holder or 'An extension'} talks to the workers through their pool, which cannot reach the envs "
+                "the learner steps itself: use `learner_envs=0` with it."
+            )
         self._begin(AsyncState.WAITING_CALL, "pending_call")
         self._state, self._holder = AsyncState.WAITING_CALL, holder
         try:
@@ -369,6 +400,11 @@ class ClusterEnv(VectorEnv):
             commands[w] = (ResetMeta(seeds=seeds[sl], mask=None if mask is None else mask[sl].tolist()), (), blobs)
         # Pending before anything is sent: a send interrupted (Ctrl-C) is finished by reset_wait().
         self._send_pending(AsyncState.WAITING_RESET, Kind.RESET, commands, OnLoss.REPLAY)
+        own = self._own
+        if own is not None and (mask is None or mask[own.slice].any()):  # while the workers reset theirs
+            mine = options[own.slice] if isinstance(options, list) else options
+            own_mask = None if mask is None else mask[own.slice].tolist()
+            self._run_own(lambda: own.reset(seeds[own.slice], mine, own_mask))
         # Envs reset whole start new episodes: their cuts need no report.
         self._pool.cuts.settle(w for w in commands if mask is None or mask[self._slices[w]].all())
         if mask is None:
@@ -432,8 +468,11 @@ class ClusterEnv(VectorEnv):
             self._send_pending(
                 AsyncState.WAITING_STEP, Kind.STEP, self._array_commands(leaves, self._pending), OnLoss.INTERRUPT
             )
+            self._step_own(leaves, None)
             return self.step_wait()
-        replies = self._pool.step_shared(leaves, "stepping", self.timeout)
+        self._pool.send_shared(leaves)
+        self._step_own(leaves, None)
+        replies = self._pool.gather(self._pending, "stepping", self.timeout)
         self._state = AsyncState.DEFAULT
         return self._step_result(replies)
 
@@ -450,6 +489,7 @@ class ClusterEnv(VectorEnv):
             self._recycler.before_step(range(self.num_workers), cuts, self._slices)
         # The fresh envs of workers cut since the last step do not step: this step reports their cut episodes.
         stepping = [w for w in range(self.num_workers) if w not in cuts]
+        leaves = items = None
         if self._action_specs is None:  # no fixed array form (Text, Graph, ...): each env's action, pickled
             items = action_items(actions, self.action_space, self.num_envs)
             commands: dict[int, Command] = {
@@ -460,6 +500,28 @@ class ClusterEnv(VectorEnv):
             commands = self._array_commands(leaves, stepping)
         # The cut episodes are reported as truncated.
         self._send_pending(AsyncState.WAITING_STEP, Kind.STEP, commands, OnLoss.INTERRUPT)
+        self._step_own(leaves, items)
+
+    def _step_own(self, leaves: list[np.ndarray] | None, items: list[Any] | None) -> None:
+        """Step the learner's own envs (if any) with their actions, while the workers step theirs."""
+        own = self._own
+        if own is None:
+            return
+        if leaves is not None:
+            actions = unflatten(self.single_action_space, [leaf[own.slice] for leaf in leaves])
+        else:
+            assert items is not None
+            actions = batch_of_items(own.envs.action_space, items[own.slice])
+        self._run_own(lambda: own.step(actions))
+
+    def _run_own(self, call: Callable[[], Message]) -> None:
+        """Reset or step the learner's own envs: their reply joins the workers' (an env error closes, as theirs)."""
+        self._own_reply, self._own_due = None, True
+        try:
+            self._own_reply = call()
+        except Exception:
+            self._close_after_error(terminate=False)
+            raise
 
     def _array_commands(self, leaves: list[np.ndarray], workers: list[int]) -> dict[int, Command]:
         """Each worker's STEP: its slice of the checked action leaves."""
@@ -499,7 +561,17 @@ class ClusterEnv(VectorEnv):
         return result
 
     def _collect(self, replies: dict[int, Message], step: bool) -> dict[str, Any]:
-        return self._buffers.collect([(self._slices[w], replies[w]) for w in sorted(replies)], step)
+        parts = [(self._slices[w], replies[w]) for w in sorted(replies)]
+        if self._own_due:
+            assert self._own is not None
+            own, self._own_reply, self._own_due = self._own_reply, None, False
+            if own is None:
+                raise RuntimeError(
+                    "The envs the learner steps itself (`learner_envs`) were interrupted in the middle of a "
+                    "reset or step: their state is unknown. Call reset() before stepping again."
+                )
+            parts.insert(0, (self._own.slice, own))
+        return self._buffers.collect(parts, step)
 
     def _report_interrupted(self, infos: dict[str, Any], interrupted: list[int]) -> dict[str, Any]:
         """Report the episodes that a worker restart cut short as truncations (docs/guides/fault-tolerance.md).
@@ -530,7 +602,7 @@ class ClusterEnv(VectorEnv):
             seed: as for :meth:`reset`.
             options: passed to every env's ``reset`` (no ``reset_mask``: every env is reset).
         """
-        check_first_ready(self._observation_mode, self.autoreset_mode)
+        check_first_ready(self._observation_mode, self.autoreset_mode, self.learner_envs)
         if options is not None and "reset_mask" in options:
             raise ValueError("async_reset() resets every env; `options['reset_mask']` is for reset().")
         self.reset_async(seed=seed, options=options)
@@ -545,7 +617,7 @@ class ClusterEnv(VectorEnv):
             env_ids: the envs to step: whole workers' envs, as :meth:`recv` returned them.
         """
         self._assert_is_running()
-        check_first_ready(self._observation_mode)
+        check_first_ready(self._observation_mode, learner_envs=self.learner_envs)
         if self._needs_reset:
             raise ResetNeeded("Cannot call `send` before a reset: call async_reset() (or reset()) first.")
         if self._action_specs is None:
@@ -670,8 +742,12 @@ class ClusterEnv(VectorEnv):
     ) -> None:
         self._begin(AsyncState.WAITING_CALL, method)
         blob = pickle_argument((args, kwargs), what)
+        by_worker = self._by_worker(by_part(indices, self._parts))
+        own_indices = by_worker.pop(OWN, _NONE)
+        # The learner's own envs answer first: an error of theirs is raised before any worker is asked.
+        self._own_results = None if own_indices is _NONE else self._own_envs().call(own_indices, name, args, kwargs)
         commands: dict[int, Command] = {
-            w: (CallMeta(name=name, indices=local), (), [blob]) for w, local in by_part(indices, self._slices).items()
+            w: (CallMeta(name=name, indices=local), (), [blob]) for w, local in by_worker.items()
         }
         self._pool.send_each(Kind.CALL, commands, OnLoss.REPLAY)
         self._pending, self._pending_indices = list(commands), indices
@@ -690,8 +766,11 @@ class ClusterEnv(VectorEnv):
             )
         finally:
             self._state = AsyncState.DEFAULT
-        results = {w: self._pool.loads(reply.blobs[0]) for w, reply in replies.items()}
-        return tuple(in_index_order(self._pending_indices, self._slices, results))
+        offset = len(self._parts) - self.num_workers  # the parts before the workers': the learner's own envs
+        results = {w + offset: self._pool.loads(reply.blobs[0]) for w, reply in replies.items()}
+        if self._own_results is not None:
+            results[0], self._own_results = self._own_results, None
+        return tuple(in_index_order(self._pending_indices, self._parts, results))
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         """Call ``name`` on every env (or read it, if not callable); results in env order.
@@ -745,8 +824,12 @@ class ClusterEnv(VectorEnv):
         chosen = check_indices(indices, self.num_envs)
         values = per_env_values(values, self.num_envs if chosen is None else len(chosen))
         self._begin(AsyncState.WAITING_CALL, "set_attr")
+        by_worker = self._by_worker(values_by_part(chosen, self._parts, values))
+        own = by_worker.pop(OWN, _NONE)
+        if own is not _NONE:  # first, as for a call
+            self._own_envs().set_attr(own[0], name, own[1])
         commands: dict[int, Command] = {}
-        for w, (local, mine) in values_by_part(chosen, self._slices, values).items():
+        for w, (local, mine) in by_worker.items():
             blob = pickle_argument(mine, f"values of set_attr({name!r})")
             commands[w] = (CallMeta(name=name, indices=local), (), [blob])
         self._pool.send_each(Kind.SET_ATTR, commands, OnLoss.REPLAY)
@@ -755,6 +838,21 @@ class ClusterEnv(VectorEnv):
             self._pool.gather(commands, "setting attributes", self.timeout, errors_close=False)
         finally:
             self._state = AsyncState.DEFAULT
+
+    @property
+    def _parts(self) -> list[slice]:
+        """The envs of each part: the learner's own (if any), then each worker's."""
+        return self._slices if self._own is None else [self._own.slice, *self._slices]
+
+    def _by_worker(self, routed: dict[int, _V]) -> dict[int, _V]:
+        """What :func:`by_part` routed to each part of :attr:`_parts`, by worker id (``OWN``: the learner's envs)."""
+        if self._own is None:
+            return routed
+        return {(OWN if part == 0 else part - 1): value for part, value in routed.items()}
+
+    def _own_envs(self) -> LearnerEnvs:
+        assert self._own is not None
+        return self._own
 
     def render(self) -> tuple[Any, ...] | None:
         """The frames rendered by every env, in env order."""
@@ -784,6 +882,8 @@ class ClusterEnv(VectorEnv):
         abandoned = self._state.value
         self._state = AsyncState.DEFAULT
         self._pool.close(timeout, terminate=terminate)
+        if self._own is not None:
+            self._own.close()
         buffers: BatchBuffers | None = getattr(self, "_buffers", None)  # none if building the envs failed
         if buffers is not None:
             buffers.detach()  # the shared memory the workers wrote goes once no one else holds a view of it
@@ -818,7 +918,7 @@ class ClusterEnv(VectorEnv):
         (``"adaptive"``, ``"fixed"`` or ``"never"``), ``spin_us`` (the bound now), ``spin_rule``
         (why), and how many ``waits`` ended while spinning (``caught_spinning``).
         """
-        return self._pool.learner_info
+        return {**self._pool.learner_info, "learner_envs": self.learner_envs}
 
     def __enter__(self) -> ClusterEnv:
         return self
@@ -830,4 +930,5 @@ class ClusterEnv(VectorEnv):
         """``ClusterEnv(CartPole-v1, num_envs=8, num_workers=2)``, with ``procs_per_worker`` when not 1."""
         name = "" if self.spec is None else f"{self.spec.id}, "
         procs = "" if self.procs_per_worker == 1 else f", procs_per_worker={self.procs_per_worker}"
-        return f"{type(self).__name__}({name}num_envs={self.num_envs}, num_workers={self.num_workers}{procs})"
+        own = f", learner_envs={self.learner_envs}" if self.learner_envs else ""
+        return f"{type(self).__name__}({name}num_envs={self.num_envs}, num_workers={self.num_workers}{procs}{own})"

@@ -41,6 +41,7 @@ __all__ = [
     "install_registry",
     "learner_registry",
     "make_envs",
+    "reset_envs",
 ]
 
 logger = logging.getLogger(__name__)
@@ -182,6 +183,22 @@ class RecordingVectorEnv(SyncVectorEnv):
             "render_mode": self.render_mode,
             "enforces_order": [enforces_order(env) for env in self.envs],
         }
+
+
+def reset_envs(envs: Any, seeds: list[int | None] | None, options: Any, mask: list[bool] | None) -> Any:
+    """Reset a vector env's envs (those in ``mask``, if any): the observations.
+
+    ``options`` is one dict for every env, or a list with one per env (Stable-Baselines3's
+    ``set_options``), which ``SyncVectorEnv.reset`` cannot express:
+    :meth:`RecordingVectorEnv.reset_each` then resets env by env, state for state.
+    """
+    if isinstance(options, list):
+        obs, _ = envs.reset_each(seeds or [None] * envs.num_envs, options, mask)
+        return obs
+    if mask is not None:
+        options = dict(options or {}, reset_mask=np.array(mask, dtype=np.bool_))
+    obs, _ = envs.reset(seed=seeds, options=options)
+    return obs
 
 
 def enforces_order(env: Any) -> bool:

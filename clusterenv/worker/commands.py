@@ -19,7 +19,7 @@ import zmq
 from gymnasium.vector import AutoresetMode
 
 from clusterenv.stepping.failures import EnvFailure, EnvTracker, error_reply
-from clusterenv.stepping.recording_env import RecordingVectorEnv, build, dumps, learner_registry
+from clusterenv.stepping.recording_env import RecordingVectorEnv, build, dumps, learner_registry, reset_envs
 from clusterenv.wire.infos import pack_infos
 from clusterenv.wire.leaves import batch_of_items, is_array_tree, leaf_arrays, unflatten
 from clusterenv.wire.messages import CallMeta, InitMeta, ResetMeta, ResultMeta, ShareObsMeta, ValueMeta, meta_of
@@ -208,13 +208,7 @@ class Worker:
         assert self.envs is not None
         meta = meta_of(msg, ResetMeta)
         options = pickle.loads(msg.blobs[0]) if msg.blobs else None
-        mask = meta["mask"]
-        if isinstance(options, list):
-            obs, _ = self.envs.reset_each(meta["seeds"] or [None] * self.envs.num_envs, options, mask)
-        else:
-            if mask is not None:
-                options = dict(options or {}, reset_mask=np.array(mask, dtype=np.bool_))
-            obs, _ = self.envs.reset(seed=meta["seeds"], options=options)
+        obs = reset_envs(self.envs, meta["seeds"], options, meta["mask"])
         self.never_reset = False
         return self._result(obs, [])
 

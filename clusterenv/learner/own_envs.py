@@ -1,0 +1,101 @@
+"""``LearnerEnvs``: the envs a ``ClusterEnv`` steps in the learner's own process (``learner_envs=k``).
+
+A step of cheap envs costs less than waking a process, so the learner, which would wait
+anyway, steps envs ``0..k-1`` itself between sending the workers their commands and reading
+their replies. They are stepped as a worker steps its slice
+(:class:`~clusterenv.stepping.recording_env.RecordingVectorEnv`: Gymnasium's own
+``SyncVectorEnv`` code, infos recorded per env), and their results are read like a worker's
+reply, so every autoreset mode, seed and info is exactly what ``SyncVectorEnv`` returns.
+
+The trade-off: these envs have no process of their own. A crash in one (a segfault in a
+simulator) is a crash of the learner; an exception follows ``on_env_error`` as in a worker;
+recycling, usage reports and timeouts do not apply to them.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from gymnasium.vector import AutoresetMode
+
+from clusterenv.stepping.failures import EnvTracker
+from clusterenv.stepping.recording_env import RecordingVectorEnv, build, reset_envs
+from clusterenv.wire.infos import pack_infos
+from clusterenv.wire.leaves import is_array_tree, leaf_arrays, unflatten
+from clusterenv.wire.protocol import Kind, Message
+
+__all__ = ["LearnerEnvs"]
+
+
+class LearnerEnvs:
+    """Envs ``0..k-1`` of a ``ClusterEnv``, stepped by the learner itself.
+
+    Args:
+        pickled_fns: their factories, pickled as the workers get theirs.
+        observation_mode: ``"same"``, ``"different"``, or the single observation space every
+            env's observation batches into.
+        autoreset_mode: Gymnasium's autoreset mode.
+        max_env_errors: under ``on_env_error="reset"``, the errors one env may raise within
+            1,000 of its steps (``None``: errors raise).
+    """
+
+    def __init__(
+        self,
+        pickled_fns: Sequence[bytes],
+        observation_mode: Any,
+        autoreset_mode: AutoresetMode,
+        max_env_errors: int | None,
+    ) -> None:
+        #: The envs' global indices.
+        self.slice = slice(0, len(pickled_fns))
+        self.envs: RecordingVectorEnv = build(
+            list(pickled_fns), observation_mode, autoreset_mode, EnvTracker(), max_env_errors
+        )
+        self._array_obs = is_array_tree(self.envs.single_observation_space)
+
+    @property
+    def num_envs(self) -> int:
+        """How many envs the learner steps."""
+        return self.envs.num_envs
+
+    def description(self) -> dict[str, Any]:
+        """What a worker reports of its envs (spaces, metadata), for the batch's spaces."""
+        return self.envs.description()
+
+    def observe_into(self, batch: Any) -> None:
+        """Write observations into their rows of the learner's batch (array observations; others travel as lists)."""
+        if self._array_obs:
+            space = self.envs.single_observation_space
+            self.envs.observe_into(unflatten(space, [leaf[self.slice] for leaf in leaf_arrays(space, batch)]))
+
+    def reset(self, seeds: list[int | None] | None, options: Any, mask: list[bool] | None) -> Message:
+        """Reset them (those in ``mask``, if any): a reply as a worker's, its observations in the batch already."""
+        obs = reset_envs(self.envs, seeds, options, mask)
+        return self._reply(obs, [])
+
+    def step(self, actions: Any) -> Message:
+        """Step them with their ``actions`` (batched, as their vector env takes them): a reply as a worker's."""
+        obs, rewards, terminations, truncations, _ = self.envs.step(actions)
+        return self._reply(obs, [rewards.copy(), terminations.copy(), truncations.copy()])
+
+    def _reply(self, obs: Any, step_fields: list[np.ndarray]) -> Message:
+        """What a worker would have replied, read by the batch as a worker's reply is."""
+        log, self.envs.info_log = self.envs.info_log, []
+        infos = pack_infos(log, self.num_envs) if log else []
+        blobs = [b""] if self._array_obs else [b"", pickle.dumps(self.envs.env_observations())]
+        return Message(Kind.RESULT, {}, step_fields, blobs, infos)
+
+    def call(self, indices: list[int] | None, name: str | None, args: tuple, kwargs: dict[str, Any]) -> list[Any]:
+        """``call``/``get_attr``/``apply`` on the envs ``indices`` (their own indices; ``None``: all)."""
+        return self.envs.call_at(indices, name, args, kwargs)
+
+    def set_attr(self, indices: list[int] | None, name: str, values: list[Any]) -> None:
+        """``set_attr`` on the envs ``indices`` (their own indices; ``None``: all), one value each."""
+        self.envs.set_attr_at(indices, name, values)
+
+    def close(self) -> None:
+        """Close the envs."""
+        self.envs.close()
