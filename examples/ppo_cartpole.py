@@ -47,6 +47,12 @@ class Args:
     num_workers: int | None = None
     """clusterenv worker processes (default: one per core, at most one per env; with --prefetch, one core fewer
     leaves the learner's update a core of its own)"""
+    learner_envs: int = 0
+    """clusterenv: the learner steps this many envs itself while the workers step the rest (cheap envs: half,
+    with `--num-workers 1`; see docs/guides/dropin.md)"""
+    spin_us: float | None = None
+    """clusterenv: microseconds each side spins before it blocks (default: adapted, where every process has a
+    core; 0: never)"""
     runs_dir: str = "runs"
     """where `<run_name>/episodes.csv` and `<run_name>/learning_curve.png` go"""
 
@@ -114,6 +120,10 @@ def check_args(args):
         raise SystemExit("error: --local-policy runs the actor in clusterenv workers; it needs --backend clusterenv")
     if args.local_policy and not args.aps_threshold > 0:
         raise SystemExit(f"error: --aps-threshold must be positive, got {args.aps_threshold}")
+    if (args.learner_envs or args.spin_us is not None) and args.backend != "clusterenv":
+        raise SystemExit("error: --learner-envs and --spin-us are ClusterEnv's options: they need --backend clusterenv")
+    if args.learner_envs and args.local_policy:
+        raise SystemExit("error: --local-policy acts in the workers, which then step every env: drop --learner-envs")
     if args.prefetch < 0 or (args.prefetch and not args.local_policy):
         raise SystemExit(f"error: --prefetch {args.prefetch} needs --local-policy and must not be negative")
     try:
@@ -192,7 +202,9 @@ if __name__ == "__main__":
     # env setup: the Gymnasium original is `envs = gym.vector.SyncVectorEnv([...])`
     env_fns = [make_env(args.env_id, i, run_name) for i in range(args.num_envs)]
     if args.backend == "clusterenv":
-        envs: gym.vector.VectorEnv = clusterenv.ClusterEnv(env_fns, num_workers=args.num_workers)
+        envs: gym.vector.VectorEnv = clusterenv.ClusterEnv(
+            env_fns, num_workers=args.num_workers, learner_envs=args.learner_envs, spin_us=args.spin_us
+        )
     elif args.backend == "async":
         envs = gym.vector.AsyncVectorEnv(env_fns)  # Gymnasium's one process per env
     else:

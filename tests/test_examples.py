@@ -18,6 +18,11 @@ RUN_TIMEOUT_S = 100  # a tiny run takes a few seconds; this is for a heavily loa
 # Budgets small enough for a few seconds per run, large enough for several finished episodes.
 TINY = {
     "ppo_cartpole": ("ppo_cartpole.py", "--total-timesteps", "1024", "--num-envs", "4", "--num-steps", "128"),
+    "ppo_cartpole --learner-envs": (
+        "ppo_cartpole.py",
+        *("--total-timesteps", "1024", "--num-envs", "4", "--num-steps", "128"),
+        *("--num-workers", "1", "--learner-envs", "2", "--spin-us", "200"),
+    ),
     "ppo_cartpole --local-policy": (
         "ppo_cartpole.py",
         "--total-timesteps",
@@ -161,6 +166,12 @@ def test_gymnasium_version_of_the_script_gives_the_same_episodes(tiny_run, name)
     assert gymnasium.result.returncode == 0, gymnasium.result.stderr[-3000:]
     assert ours.result.returncode == 0, ours.result.stderr[-3000:]
     assert ours.returns() == gymnasium.returns()
+
+
+def test_the_learner_stepping_half_the_envs_itself_gives_the_same_episodes(tiny_run):
+    ours, gymnasium = tiny_run("ppo_cartpole --learner-envs"), tiny_run("ppo_cartpole", "gym")
+    assert ours.result.returncode == 0, ours.result.stderr[-3000:]
+    assert ours.returns() and ours.returns() == gymnasium.returns()
 
 
 @pytest.mark.parametrize("name", ["ppo_cartpole", "dqn_cartpole"])
