@@ -8,7 +8,11 @@ clusterenv and the floor the learner's CPU per worker message is measured too: t
 learner process's CPU time (all its threads) over the timed steps, divided by the
 messages (workers x batch steps). Before timing, the floor is checked bit-identical to
 ``SyncVectorEnv`` on CartPole-v1 (and on HalfCheetah-v5 with its infos, where MuJoCo is
-installed).
+installed). ``spin_floor`` is :class:`spin_floor.SpinFloor`: the learner steps half the envs
+and one forked worker the other half, both spinning, never a wake-up (infos dropped);
+``split`` is clusterenv in that shape (``num_workers=1, learner_envs=n // 2``, its default
+spin). For Sync, clusterenv and the floor, the CPU each env step costs in the process that
+steps it (the workers', from ``/proc``) is reported too.
 
     pip install -e ".[bench]"
     python benchmarks/onehost.py                 # every cell, 3 rounds of 3 s
@@ -42,6 +46,7 @@ CELLS: dict[str, tuple[str, int, int]] = {
     "halfcheetah_x16": ("HalfCheetah-v5", 16, 2),
     "burn50us_x16": ("BurnEnv", 16, 2),
     "null_x16": ("NullEnv", 16, 2),
+    "cartpole_x8": ("CartPole-v1", 8, 2),
 }
 ENVPOOL_IDS = {"CartPole-v1": "CartPole-v1", "HalfCheetah-v5": "HalfCheetah-v5"}
 HALFCHEETAH_INFOS = ("x_position", "x_velocity", "reward_forward", "reward_ctrl")
@@ -51,8 +56,19 @@ HALFCHEETAH_INFOS = ("x_position", "x_velocity", "reward_forward", "reward_ctrl"
 class Args:
     cells: tuple[str, ...] = tuple(CELLS)
     """which cells to run"""
-    backends: tuple[str, ...] = ("sync", "async", "envpool", "envpool_1t", "floor", "clusterenv", "messages")
-    """backends, in the order each round runs them (``messages``: clusterenv with ``shared_memory=False``)"""
+    backends: tuple[str, ...] = (
+        "sync",
+        "async",
+        "envpool",
+        "envpool_1t",
+        "floor",
+        "clusterenv",
+        "messages",
+        "spin_floor",
+        "split",
+    )
+    """backends, in the order each round runs them (``messages``: clusterenv with ``shared_memory=False``;
+    ``split``: clusterenv with ``num_workers=1, learner_envs=n // 2``)"""
     rounds: int = 3
     seconds: float = 3.0
     quick: bool = False
@@ -89,11 +105,34 @@ elif backend == "floor":
     from shm_floor import ShmFloor
     envs = ShmFloor([factory()] * num_envs, workers, info_keys)
     messages_per_step = workers
+elif backend == "spin_floor":
+    from spin_floor import SpinFloor
+    envs = SpinFloor([factory()] * num_envs)
+    messages_per_step = 1
+elif backend == "split":  # clusterenv as the spinning floor splits the envs
+    from clusterenv import ClusterEnv
+    envs = ClusterEnv([factory()] * num_envs, num_workers=1, learner_envs=num_envs // 2)
+    messages_per_step = 1
 else:  # clusterenv: its default (the shared step path for these local workers), or the message path
     from clusterenv import ClusterEnv
     envs = ClusterEnv([factory()] * num_envs, num_workers=workers, shared_memory=backend == "clusterenv")
     assert {{w["step_path"] for w in envs.worker_info}} == {{"shared memory" if backend == "clusterenv" else "messages"}}
     messages_per_step = workers
+
+def worker_pids():  # the processes that step the workers' envs, and how many envs they step
+    if backend in ("clusterenv", "messages", "split"):
+        return [w["pid"] for w in envs.worker_info], num_envs - envs.learner_envs
+    if backend == "floor":
+        return envs._pids, num_envs
+    return [], num_envs
+
+def cpu_s(pids):
+    total = 0.0
+    for pid in pids:
+        with open(f"/proc/{{pid}}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 rng = np.random.default_rng(0)
 space = gym.make(env).action_space if env not in ("BurnEnv", "NullEnv") else gym.spaces.Discrete(2)
 actions = np.stack([space.sample() for _ in range(num_envs)]) if hasattr(space, "shape") and space.shape else np.zeros(num_envs, np.int64)
@@ -103,14 +142,18 @@ else:
     envs.reset(seed=0)
 for _ in range(50):
     envs.step(actions)
-steps, cpu0, started = 0, time.process_time(), time.perf_counter()
+pids, worker_envs = worker_pids()
+steps, cpu0, started, workers_cpu0 = 0, time.process_time(), time.perf_counter(), cpu_s(pids)
 while time.perf_counter() - started < seconds:
     envs.step(actions)
     steps += 1
 wall, cpu = time.perf_counter() - started, time.process_time() - cpu0
+workers_cpu = cpu_s(pids) - workers_cpu0
 envs.close()
 per_msg = None if not messages_per_step else cpu / (steps * messages_per_step) * 1e6
-print(json.dumps({{"rate": steps * num_envs / wall, "cpu_us_per_msg": per_msg}}))
+# The CPU of one env step where the envs step: the workers' processes, or (Sync) the learner's own.
+per_env = (workers_cpu if pids else cpu) / (steps * worker_envs) * 1e6 if backend in ("sync", "floor", "clusterenv", "messages") else None
+print(json.dumps({{"rate": steps * num_envs / wall, "cpu_us_per_msg": per_msg, "cpu_us_per_env": per_env}}))
 """
 
 
@@ -166,6 +209,20 @@ def check_floor_exact() -> list[str]:
             sync.close()
             floor.close()
         checked.append(env_id)
+    from spin_floor import SpinFloor
+
+    fns = [lambda: gym.make("CartPole-v1")] * 8
+    sync, floor = gym.vector.SyncVectorEnv(fns), SpinFloor(fns)
+    try:
+        rng = np.random.default_rng(2)
+        _assert_same(sync.reset(seed=5), floor.reset(seed=5), "spin_floor")
+        for _ in range(300):
+            actions = rng.integers(0, 2, 8)
+            _assert_same(sync.step(actions), floor.step(actions), "spin_floor")
+    finally:
+        sync.close()
+        floor.close()
+    checked.append("CartPole-v1 (spin_floor)")
     return checked
 
 
@@ -205,11 +262,17 @@ def main(args: Args) -> None:
             for b, rs in by.items()
             if rs and b in ("floor", "clusterenv", "messages")
         }
+        per_env = {
+            b: statistics.median(r["cpu_us_per_env"] for r in rs)
+            for b, rs in by.items()
+            if rs and rs[0].get("cpu_us_per_env") is not None
+        }
         cells_out[cell] = {
             **{b.replace("envpool_1t", "envpool_1thread"): v for b, v in rates.items()},
             "learner_cpu_us_per_worker_msg": cpu.get("clusterenv"),
             "floor_learner_cpu_us_per_worker_msg": cpu.get("floor"),
             "messages_learner_cpu_us_per_worker_msg": cpu.get("messages"),
+            "cpu_us_per_env_step": per_env,
         }
     lines = [
         f"`{command_line(__file__)}`, {date}, {CORES} cores: env-steps/s of lockstep `step`, medians of {args.rounds} "
@@ -218,11 +281,15 @@ def main(args: Args) -> None:
         f"`SyncVectorEnv` on {', '.join(checked)} in this run.",
         "",
         "`clusterenv` is the default (its local workers on the shared step path); `messages` is clusterenv with "
-        "`shared_memory=False` (every step a message per worker).",
+        "`shared_memory=False` (every step a message per worker); `spin_floor` the bare spinning split (the learner "
+        "steps half the envs, one forked worker the rest, no infos) and `split` clusterenv in that shape "
+        "(`num_workers=1, learner_envs=n // 2`, default spin). The CPU per env step is measured where the envs step: "
+        "the workers' processes for clusterenv and the floor, the learner's for Sync.",
         "",
         "| cell | Sync | Async / Sync | EnvPool / Sync (N threads; 1) | floor / Sync | clusterenv / Sync | clusterenv / floor "
-        "| messages / Sync | learner CPU per worker message: clusterenv / floor / messages (µs) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| messages / Sync | learner CPU per worker message: clusterenv / floor / messages (µs) "
+        "| CPU per env step: clusterenv / Sync | spin_floor / Sync | split / Sync | split / spin_floor |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for cell, c in cells_out.items():
         sync = c.get("sync")
@@ -239,9 +306,17 @@ def main(args: Args) -> None:
             c["messages_learner_cpu_us_per_worker_msg"],
         ]
         cpu_text = " / ".join("—" if v is None else f"{v:.1f}" for v in cpu_values)
+        per_env = c["cpu_us_per_env_step"]
+        per_env_text = (
+            f"{per_env['clusterenv']:.1f} / {per_env['sync']:.1f} µs ({per_env['clusterenv'] / per_env['sync']:.2f}x)"
+            if per_env.get("clusterenv") and per_env.get("sync")
+            else "—"
+        )
+        split_share = f"{c['split'] / c['spin_floor']:.2f}" if c.get("split") and c.get("spin_floor") else "—"
         lines.append(
             f"| {cell} | {sync:,.0f} | {ratio('async')} | {ratio('envpool')}; {ratio('envpool_1thread')} | "
-            f"{ratio('floor')} | {ratio('clusterenv')} | {floor_share} | {ratio('messages')} | {cpu_text} |"
+            f"{ratio('floor')} | {ratio('clusterenv')} | {floor_share} | {ratio('messages')} | {cpu_text} | "
+            f"{per_env_text} | {ratio('spin_floor')} | {ratio('split')} | {split_share} |"
         )
     text = "\n".join(lines) + "\n"
     print(text)

@@ -31,6 +31,19 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 CONFIGS = {
     "gym": ["--backend", "gym"],
+    # The learner picks the actions (the example as it stands), with clusterenv's defaults, then with the learner
+    # stepping half of the 8 envs itself beside one worker (the drop-in guide's advice for cheap envs), spinning
+    # by default and never.
+    "clusterenv": [],
+    "clusterenv --num-workers 1 --learner-envs 4": ["--num-workers", "1", "--learner-envs", "4"],
+    "clusterenv --num-workers 1 --learner-envs 4 --spin-us 0": [
+        "--num-workers",
+        "1",
+        "--learner-envs",
+        "4",
+        "--spin-us",
+        "0",
+    ],
     "clusterenv --local-policy": ["--local-policy"],
     "clusterenv --local-policy --prefetch 1": ["--local-policy", "--prefetch", "1"],
     "clusterenv --local-policy --prefetch 2": ["--local-policy", "--prefetch", "2"],
