@@ -56,7 +56,13 @@ def test_resident_memory_shows_the_worker_whose_env_leaks(procs):
 def test_an_env_bound_run_shows_the_learner_waiting_for_most_of_each_step():
     """Each step waits at least 20 ms for the workers' envs; the learner's own part is what is left."""
     with ClusterEnv([functools.partial(SlowEnv, 0.02)] * 2, num_workers=2) as envs:
-        assert envs.learner_info == {"batch_steps": 0, "busy_ms": None, "waiting_ms": None}
+        info = envs.learner_info
+        assert {key: info[key] for key in ("batch_steps", "busy_ms", "waiting_ms")} == {
+            "batch_steps": 0,
+            "busy_ms": None,
+            "waiting_ms": None,
+        }
+        assert info["learner_envs"] == 0 and info["spin"] in ("adaptive", "never")
         envs.reset(seed=0)
         for _ in range(20):
             envs.step(np.zeros(2, np.int64))
