@@ -112,7 +112,7 @@ def test_a_run_writes_the_report_and_its_json(tmp_path: Path) -> None:
     report = json.loads(path.read_text())
     assert set(report) >= {"env_id", "num_envs", "cores", "env_step_us", "exact", "rows", "recommendation"}
     assert (report["env_id"], report["num_envs"], report["exact"]) == ("CartPole-v1", 2, True)
-    assert report["cores"] >= 1 and report["env_step_us"] > 0
+    assert report["cores"] >= 1 and report["env_step_us"] > 0 and report["load_average"] >= 0
     backends = [r["backend"] for r in report["rows"]]
     assert backends[0] == "SyncVectorEnv" and report["rows"][0]["vs_sync"] == 1.0
     assert {"AsyncVectorEnv", "ClusterEnv", "ClusterEnv+PolicyRunner"} <= set(backends)

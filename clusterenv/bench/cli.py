@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -50,6 +51,7 @@ def run(
         BenchInputError: clusterenv cannot run this env (its spaces or its factory cannot reach the workers).
     """
     cores = usable_cores()
+    load = _load_average()
     progress(f"checking that clusterenv returns what SyncVectorEnv returns ({check_steps} steps)")
     try:
         exactness = check_exact(target.make, num_envs, check_steps, seed, {})
@@ -63,7 +65,15 @@ def run(
     rates = measure(rows, seconds, rounds, progress)
     sync = rates[SYNC]
     measured = [Row(c.label, c.backend, c.options, rates[c.label], rates[c.label] / sync) for c in rows]
-    return Report(target.name, num_envs, cores, step_us, exactness, measured, recommend(measured), skipped)
+    return Report(target.name, num_envs, cores, step_us, load, exactness, measured, recommend(measured), skipped)
+
+
+def _load_average() -> float | None:
+    """The system's one-minute load average: how busy the cores were before this run, by other jobs."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # Windows has none
+        return None
 
 
 class _Parser(argparse.ArgumentParser):

@@ -43,6 +43,7 @@ class Report:
     num_envs: int
     cores: int
     env_step_us: float
+    load_average: float | None
     exactness: Exactness
     rows: list[Row]
     recommendation: Recommendation
@@ -86,6 +87,7 @@ def to_json(report: Report) -> dict[str, Any]:
         "num_envs": report.num_envs,
         "cores": report.cores,
         "env_step_us": report.env_step_us,
+        "load_average": report.load_average,
         "exact": report.exactness.exact,
         "exact_steps": report.exactness.steps,
         "first_difference": None if difference is None else str(difference),
@@ -109,12 +111,24 @@ def to_json(report: Report) -> dict[str, Any]:
     }
 
 
+def _load_line(report: Report) -> str:
+    if report.load_average is None:
+        return "load average: unknown on this system"
+    line = f"load average before the run: {report.load_average:.1f} on {report.cores} cores"
+    if report.load_average > report.cores / 2:
+        line += (
+            " (other jobs were running: rows with more processes lose most to them; run it again on a quiet machine)"
+        )
+    return line
+
+
 def format_report(report: Report) -> str:
     """The report as text: what was run, exactness, the table (ratios to Sync), the recommendation."""
     exactness = report.exactness
     lines = [
         f"{report.env_id}: {report.num_envs} envs, {report.cores} usable cores, "
         f"one env step takes {report.env_step_us:,.1f} µs in this process",
+        _load_line(report),
         (
             f"exact: clusterenv returned what SyncVectorEnv returned for {exactness.steps} steps "
             "(same seeds and actions)"
