@@ -101,10 +101,14 @@ class PolicyRunner(abc.ABC):
     # class is defined (``class LockstepRunner(PolicyRunner, prefetching=False)``).
     _modes: ClassVar[dict[bool, type[PolicyRunner]]] = {}
 
-    def __init_subclass__(cls, *, prefetching: bool, **kwargs: Any) -> None:
-        """Enter ``cls`` as the runner of its mode: lockstep (``prefetching=False``) or prefetching."""
+    def __init_subclass__(cls, *, prefetching: bool | None = None, **kwargs: Any) -> None:
+        """Enter ``cls`` as the runner of its mode: lockstep (``prefetching=False``) or prefetching (``True``).
+
+        A subclass that names no mode is left out: ``PolicyRunner(...)`` never returns it.
+        """
         super().__init_subclass__(**kwargs)
-        PolicyRunner._modes[prefetching] = cls
+        if prefetching is not None:
+            PolicyRunner._modes[prefetching] = cls
 
     def __new__(cls, *args: Any, prefetch: int = 0, **kwargs: Any) -> PolicyRunner:
         """The runner of the mode ``prefetch`` asks for: lockstep (0) or prefetching (1 or more)."""
