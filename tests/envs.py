@@ -6,6 +6,7 @@ import ctypes
 import itertools
 import os
 import subprocess
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -718,3 +719,32 @@ class StallingCountingEnv(CountingEnv):
     def step(self, action):
         obs, reward, terminated, truncated, info = super().step(action)
         return obs, reward, terminated, truncated, ({"stall": Stall(60.0)} if self.t == self.stall_at else info)
+
+
+_steps_in_this_process = itertools.count(1)
+
+
+class ProcessCounterEnv(gym.Env):
+    """Rewards count the steps of every such env in this process: one process or several tell apart.
+
+    Under ``SyncVectorEnv`` env ``i`` of ``n`` gets reward ``i + 1`` on the first step; in a second
+    worker the count starts again, so ClusterEnv differs there (what the bench's exactness check must show).
+    """
+
+    observation_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = spaces.Discrete(2)
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        return np.zeros(2, np.float32), float(next(_steps_in_this_process)), False, False, {}
+
+
+class LockedSpaceEnv(ProcessCounterEnv):
+    """An env whose observation space holds a lock: it cannot be pickled, so it cannot travel to the learner."""
+
+    def __init__(self) -> None:
+        self.observation_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
+        self.observation_space.lock = threading.Lock()  # type: ignore[attr-defined]

@@ -22,9 +22,9 @@ else
   TL="--seconds 2" MC="--zmq-column" CS="--cases burn64 burn64-quarter null64 pong64 --seconds 2 --repeats 1"
   PPO_STEPS=16384 PPO_ENVS=32 CUDA="--cuda"
 fi
-timeout 120 $PY benchmarks/timeline.py $TL >> "$LOG" 2>&1
+timeout 120 $PY benchmarks/probes/timeline.py $TL >> "$LOG" 2>&1
 timeout 330 $PY benchmarks/manycore.py $MC >> "$LOG" 2>&1
-timeout 100 $PY benchmarks/cpu_split.py $CS >> "$LOG" 2>&1
+timeout 100 $PY benchmarks/probes/cpu_split.py $CS >> "$LOG" 2>&1
 cp benchmarks/results/timeline.md benchmarks/results/manycore.md benchmarks/results/manycore.json benchmarks/results/cpu_split.md "$OUT/"
 for backend in gym async clusterenv; do
   start=$(date +%s.%N)

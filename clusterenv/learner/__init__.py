@@ -3,7 +3,8 @@
 The VectorEnv (``vector_env``, built by ``building``) and its batch buffers (``step_buffers``), the worker pool
 (``pool``, holding its parts ``membership`` and ``recovery``; what its commands mean on a
 loss in ``commands``), first-ready batches (``first_ready``), the learner's heartbeat monitor,
-local-policy rollouts and their prefetch stream (``rollouts``, ``rollout_batch``), and the
+local-policy rollouts (``rollouts`` loads both modes, ``lockstep_rollouts`` and ``prefetched_rollouts``, over
+their shared base ``runner_base``; ``rollout_batch``), and the
 checks of user input (``validation``). Workers never import it.
 """
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from clusterenv.learner.pool import OnLoss
 from clusterenv.learner.rollout_batch import RolloutBatch
-from clusterenv.learner.rollouts import PolicyRunner
+from clusterenv.learner.runner_base import PolicyRunner
 from clusterenv.policy.heads import Head
 from clusterenv.wire.messages import RolloutMeta
 from clusterenv.wire.protocol import Kind
@@ -18,7 +18,7 @@ from clusterenv.wire.protocol import Kind
 __all__ = ["LockstepRunner"]
 
 
-class LockstepRunner(PolicyRunner):
+class LockstepRunner(PolicyRunner, prefetching=False):
     """The :class:`~clusterenv.learner.rollouts.PolicyRunner` of ``prefetch=0``."""
 
     def _published(self) -> None:

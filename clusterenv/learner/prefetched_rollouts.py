@@ -18,7 +18,7 @@ import numpy as np
 from clusterenv.errors import PolicyError, ProtocolError, WorkerTimeoutError
 from clusterenv.learner.pool import FollowUp, OnLoss
 from clusterenv.learner.rollout_batch import RolloutBatch
-from clusterenv.learner.rollouts import PolicyRunner, check_prefetch
+from clusterenv.learner.runner_base import PolicyRunner, check_prefetch
 from clusterenv.policy.heads import Head
 from clusterenv.wire.leaves import unflatten
 from clusterenv.wire.messages import (
@@ -33,7 +33,7 @@ from clusterenv.wire.protocol import Kind, Message
 __all__ = ["PrefetchingRunner"]
 
 
-class PrefetchingRunner(PolicyRunner):
+class PrefetchingRunner(PolicyRunner, prefetching=True):
     """The :class:`~clusterenv.learner.rollouts.PolicyRunner` of ``prefetch >= 1``."""
 
     probes_from_batches = False  # kept from each result as it arrives

@@ -4,7 +4,7 @@ ZeroMQ moves every message through an I/O thread at each end: a command wakes th
 I/O thread, then the worker's, then the worker's main thread; a reply the same way back.
 When every core is busy stepping envs, each of those wake-ups waits for a core, and on a
 16-core host that staggered the workers' starts by up to 3 ms per batch step (measured:
-``benchmarks/timeline.py``). A worker the learner starts itself can instead hold one end of
+``benchmarks/probes/timeline.py``). A worker the learner starts itself can instead hold one end of
 a Unix socket pair: the worker's main thread reads its commands and writes its replies
 itself, and the learner reads the replies in its own thread, so nothing waits for a third
 thread to be scheduled.

@@ -18,8 +18,8 @@ alternate, ``--repeats`` rounds, medians. Reported per env step: the learner pro
 (``time.process_time``: every thread, ZeroMQ's I/O thread included), and the bytes that
 crossed loopback (``/proc/net/dev``, both directions, TCP/IP headers included); and env-steps/s.
 
-    python benchmarks/ingest.py            # ~2 minutes on 2 cores
-    python benchmarks/ingest.py --quick    # a smoke run
+    python benchmarks/probes/ingest.py            # ~2 minutes on 2 cores
+    python benchmarks/probes/ingest.py --quick    # a smoke run
 
 Writes ``results/ingest.md`` and ``results/ingest.json``.
 """
@@ -43,14 +43,15 @@ import numpy as np
 import tyro
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # workers import bench_envs from here
+# This folder, then benchmarks/ (bench_envs, report): the workers inherit the path.
+sys.path[:0] = [str(folder) for folder in Path(__file__).resolve().parents[:2]]
 from bench_envs import FrameReplayEnv, SleepEnv, record_breakout  # noqa: E402
 from learner_cpu import _check, _frames, hello_dealer, worker_router  # noqa: E402
 from report import command_line  # noqa: E402
 
 from clusterenv import ClusterEnv  # noqa: E402
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 # Env i replays the recording from here on, so that a batch holds different frames, as from different envs.
 OFFSET_STRIDE = 37
 

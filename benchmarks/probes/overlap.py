@@ -9,8 +9,8 @@ rollout meanwhile, so it costs ``max(C, U)`` plus overhead: at ``U = C`` the lim
 With ``prefetch=2`` a second rollout is queued, so that a worker that finishes early does not
 wait through the learner's ``publish()`` and batch assembly (one more version of policy lag).
 
-    python benchmarks/overlap.py             # the table, ~2 min on 2 cores
-    python benchmarks/overlap.py --quick     # a smoke run
+    python benchmarks/probes/overlap.py             # the table, ~2 min on 2 cores
+    python benchmarks/probes/overlap.py --quick     # a smoke run
 
 Backends alternate within each repeat; the medians of ``--repeats`` runs are reported.
 Writes ``results/overlap.md`` and ``results/overlap.json`` next to this file.
@@ -30,13 +30,15 @@ from pathlib import Path
 import gymnasium as gym
 import torch
 import tyro
-from report import command_line  # the sibling module
 from torch import nn
 from tqdm import tqdm
 
-from clusterenv import APS, ClusterEnv, PolicyRunner
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # report and bench_envs, one level up
+from report import command_line  # noqa: E402
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+from clusterenv import APS, ClusterEnv, PolicyRunner  # noqa: E402
+
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 
 
 @dataclasses.dataclass

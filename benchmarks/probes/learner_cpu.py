@@ -9,8 +9,8 @@ batch arrays. Both run in one
 process run, alternated, repeated; the table gives medians of the learner process's CPU
 time (all its threads, ZeroMQ's I/O thread included) per batch step.
 
-    python benchmarks/learner_cpu.py                    # 2 and 16 workers, a few minutes
-    python benchmarks/learner_cpu.py --quick            # a smoke run
+    python benchmarks/probes/learner_cpu.py                    # 2 and 16 workers, a few minutes
+    python benchmarks/probes/learner_cpu.py --quick            # a smoke run
 """
 
 from __future__ import annotations
@@ -39,13 +39,14 @@ import tyro
 import zmq
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # workers import bench_envs from here
+# This folder, then benchmarks/ (bench_envs, report): the workers inherit the path.
+sys.path[:0] = [str(folder) for folder in Path(__file__).resolve().parents[:2]]
 from bench_envs import SleepEnv  # noqa: E402
 from report import command_line  # noqa: E402
 
 from clusterenv import ClusterEnv  # noqa: E402
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 
 
 @dataclasses.dataclass

@@ -16,8 +16,8 @@ per batch step (one step of every env), for:
 From these, the CPU limit on ClusterEnv's speed-up over ``SyncVectorEnv``: cores x Sync's
 CPU per batch step / ClusterEnv's. Backends alternate; medians of ``--repeats``.
 
-    python benchmarks/cpu_split.py                  # the three cells, ~4 minutes on 2 cores
-    python benchmarks/cpu_split.py --cases sleep16-quarter --seconds 3
+    python benchmarks/probes/cpu_split.py                  # the three cells, ~4 minutes on 2 cores
+    python benchmarks/probes/cpu_split.py --cases sleep16-quarter --seconds 3
 
 Writes ``results/cpu_split.md`` and ``results/cpu_split.json``.
 """
@@ -43,7 +43,8 @@ import numpy as np
 import tyro
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # workers import bench_envs from here
+# This folder, then benchmarks/ (bench_envs, report): the workers inherit the path.
+sys.path[:0] = [str(folder) for folder in Path(__file__).resolve().parents[:2]]
 from bench_envs import BurnEnv, NullEnv, SleepEnv, make_atari  # noqa: E402
 from learner_cpu import _check, _frames, floor_worker, worker_router  # noqa: E402
 from report import command_line  # noqa: E402
@@ -51,7 +52,7 @@ from report import command_line  # noqa: E402
 from clusterenv import ClusterEnv  # noqa: E402
 from clusterenv.wire.processes import descendants  # noqa: E402
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 CORES = len(os.sched_getaffinity(0))
 COLUMNS = (
     "learner main",

@@ -16,8 +16,8 @@ is measured is what crosses the wire between hosts. tcp runs with the default
 Two tables: end-to-end vector steps per second, and the encode+decode cost of one
 worker reply with and without array MACs (pure functions, no sockets: the MAC's share).
 
-    python benchmarks/transport.py            # ~1 minute on 2 cores
-    python benchmarks/transport.py --quick    # a smoke run
+    python benchmarks/probes/transport.py            # ~1 minute on 2 cores
+    python benchmarks/probes/transport.py --quick    # a smoke run
 
 Writes ``results/transport.md`` and prints it.
 """
@@ -39,7 +39,7 @@ import tyro
 from clusterenv import ClusterEnv
 from clusterenv.wire.protocol import NONCE_BYTES, Kind, decode, pack, session_pair
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 SIZES = {"16 B (CartPole)": (4,), "28 KB (84x84x4)": (84, 84, 4), "100 KB (210x160x3)": (210, 160, 3)}
 
 
@@ -138,7 +138,7 @@ def main(args: Args) -> None:
         [
             "# tcp (loopback) vs ipc transport",
             "",
-            f"`python benchmarks/transport.py{' --quick' if args.quick else ''}` on {platform.node()}, "
+            f"`python benchmarks/probes/transport.py{' --quick' if args.quick else ''}` on {platform.node()}, "
             f"{cores} cores, Python {platform.python_version()}; {args.num_envs} envs on {args.num_workers} workers, "
             f"median of {args.repeats} × {args.seconds:g} s, ipc and tcp timed alternately.",
             "",

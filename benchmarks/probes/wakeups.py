@@ -6,7 +6,7 @@ signal alone, as the learner pays it: two forked workers block on their wake-up,
 as much and then blocks reading both replies (no spinning anywhere). Reported: wall time per
 round and the learner's CPU per round beyond its own burn, medians of alternated rounds.
 
-    python benchmarks/wakeups.py
+    python benchmarks/probes/wakeups.py
 
 Writes ``results/wakeups.md``.
 """
@@ -17,13 +17,16 @@ import dataclasses
 import os
 import socket
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import tyro
-from report import command_line  # the sibling module
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # report and bench_envs, one level up
+from report import command_line  # noqa: E402
+
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 
 
 @dataclasses.dataclass

@@ -13,8 +13,8 @@ Two parts, run in one go:
   and by ``multiprocessing`` pipes (AsyncVectorEnv's carrier), and the same with no CPU:
   what any design built on each carrier can reach on this host.
 
-    python benchmarks/timeline.py
-    python benchmarks/timeline.py --quick     # 16 envs on 4 workers, 1 s runs (2 cores)
+    python benchmarks/probes/timeline.py
+    python benchmarks/probes/timeline.py --quick     # 16 envs on 4 workers, 1 s runs (2 cores)
 
 Writes ``results/timeline.md`` and ``results/timeline.json``.
 """
@@ -40,7 +40,8 @@ import numpy as np
 import tyro
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # workers import bench_envs from here
+# This folder, then benchmarks/ (bench_envs, report): the workers inherit the path.
+sys.path[:0] = [str(folder) for folder in Path(__file__).resolve().parents[:2]]
 from bench_envs import TracedBurnEnv  # noqa: E402
 from learner_cpu import hello_dealer, worker_router  # noqa: E402
 from report import command_line  # noqa: E402
@@ -48,7 +49,7 @@ from report import command_line  # noqa: E402
 from clusterenv import ClusterEnv  # noqa: E402
 from clusterenv.launch.launchers import LocalLauncher  # noqa: E402
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 CORES = len(os.sched_getaffinity(0))
 
 

@@ -7,7 +7,7 @@ pattern without any of its Python work, so its step time is what ZeroMQ's thread
 hand-offs (application thread -> I/O thread -> socket -> I/O thread -> application
 thread, each way) cost on this machine.
 
-    python benchmarks/zmq_floor.py --workers 2 --work-us 68   # CartPole, 16 envs on 2 workers
+    python benchmarks/probes/zmq_floor.py --workers 2 --work-us 68   # CartPole, 16 envs on 2 workers
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ process, against the same workers, alternated for ``--rounds`` rounds:
 
 It reaches into private attributes to time the layers apart: a benchmark, not an API.
 
-    python benchmarks/shared_step_split.py
+    python benchmarks/probes/shared_step_split.py
 
 Writes ``results/shared_step_split.md``.
 """
@@ -30,14 +30,15 @@ from pathlib import Path
 import gymnasium as gym
 import numpy as np
 import tyro
-from report import command_line  # the sibling module
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# This folder, then benchmarks/ (bench_envs, report): the workers inherit the path.
+sys.path[:0] = [str(folder) for folder in Path(__file__).resolve().parents[:2]]
 from bench_envs import NullEnv  # noqa: E402
+from report import command_line  # noqa: E402
 
 from clusterenv import ClusterEnv  # noqa: E402
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 
 
 @dataclasses.dataclass

@@ -3,7 +3,7 @@
 In one process, no messages: 4 envs (CartPole, ``NullEnv``) stepped 5,000 times, best of 7 repeats,
 with the clock (as workers run) and with ``SyncVectorEnv``'s own ``step`` (no clock).
 
-    python benchmarks/step_clock_cost.py
+    python benchmarks/probes/step_clock_cost.py
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# This folder, then benchmarks/ (bench_envs, report): the workers inherit the path.
+sys.path[:0] = [str(folder) for folder in Path(__file__).resolve().parents[:2]]
 from bench_envs import NullEnv  # noqa: E402
 
 from clusterenv.stepping.failures import EnvTracker  # noqa: E402

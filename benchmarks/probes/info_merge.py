@@ -7,7 +7,7 @@ each worker's per-env records and replays them through Gymnasium's ``VectorEnv._
 (``clusterenv.wire.infos``). The workers' cost of packing is reported too: it runs in parallel,
 on the workers. Medians of ``--repeats`` timings of ``--number`` batch steps.
 
-    python benchmarks/info_merge.py
+    python benchmarks/probes/info_merge.py
 """
 
 from __future__ import annotations
@@ -16,13 +16,17 @@ import dataclasses
 import functools
 import pickle
 import statistics
+import sys
 import timeit
+from pathlib import Path
 from typing import Any
 
 import tyro
-from report import command_line  # the sibling module
 
-from clusterenv.wire.infos import merge_infos, pack_infos, replay_infos
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # report and bench_envs, one level up
+from report import command_line  # noqa: E402
+
+from clusterenv.wire.infos import merge_infos, pack_infos, replay_infos  # noqa: E402
 
 
 @dataclasses.dataclass

@@ -5,8 +5,8 @@ timed steps: its envs' steps, reading the command and writing the results, and i
 ``SyncVectorEnv`` stepping the same 8 CartPoles in this process gives the envs' own cost. Rounds
 alternate the three, and the medians are reported.
 
-    python benchmarks/worker_step.py             # 3 rounds of 10,000 steps
-    python benchmarks/worker_step.py --quick
+    python benchmarks/probes/worker_step.py             # 3 rounds of 10,000 steps
+    python benchmarks/probes/worker_step.py --quick
 
 Writes ``results/worker_step.json`` and ``results/worker_step.md``.
 """
@@ -17,17 +17,20 @@ import dataclasses
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
 import tyro
-from report import command_line  # the sibling module
 
-from clusterenv import ClusterEnv
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # report and bench_envs, one level up
+from report import command_line  # noqa: E402
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+from clusterenv import ClusterEnv  # noqa: E402
+
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 NUM_ENVS = 8
 
 

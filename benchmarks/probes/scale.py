@@ -12,8 +12,8 @@ what is lost is lost to waiting and to the learner. Modes, on the same workers, 
 The RTT part puts a delaying TCP proxy (a separate process, half the RTT each way)
 between the learner and its workers, at each ``--rtts-ms``, itself included at 0 ms.
 
-    python benchmarks/scale.py            # the full grid, about 10 minutes on 2 cores
-    python benchmarks/scale.py --quick    # a smoke run
+    python benchmarks/probes/scale.py            # the full grid, about 10 minutes on 2 cores
+    python benchmarks/probes/scale.py --quick    # a smoke run
 
 Writes ``results/scale.md``, ``results/scale.json`` and ``results/scale.png``.
 """
@@ -41,13 +41,14 @@ import tyro
 from torch import nn
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # workers import bench_envs from here
+# This folder, then benchmarks/ (bench_envs, report): the workers inherit the path.
+sys.path[:0] = [str(folder) for folder in Path(__file__).resolve().parents[:2]]
 from bench_envs import SleepEnv  # noqa: E402
 
 from clusterenv import ClusterEnv, Never, PolicyRunner  # noqa: E402
 from clusterenv.launch.launchers import LocalLauncher  # noqa: E402
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 STEP_MODES = ("lockstep", "first-ready 1/2", "first-ready 1/4")
 ROLLOUT_MODES = ("rollout", "prefetch")
 FRACTIONS = {"first-ready 1/2": 0.5, "first-ready 1/4": 0.25}
@@ -264,7 +265,7 @@ def median(cells: dict[str, list[list[float]]], key: str, i: int) -> float:
 
 
 def report(args: Args, cells: dict[str, list[list[float]]]) -> str:
-    command = "python benchmarks/scale.py" + (" --quick" if args.quick else "")
+    command = "python benchmarks/probes/scale.py" + (" --quick" if args.quick else "")
     modes = STEP_MODES + ROLLOUT_MODES
     lines = [
         f"`{command}` — SleepEnv {args.step_ms:g} ms; {args.seconds:g} s per cell, median of {args.repeats} "

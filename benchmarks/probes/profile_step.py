@@ -6,8 +6,8 @@ cProfile, for the split of the learner thread's own time between the parts below
 (cProfile's overhead inflates every part alike; the shares are what it is for).
 Waiting for replies is blocking time, not CPU: it is reported apart.
 
-    python benchmarks/profile_step.py --workload pong --num-envs 16     # the Atari cell
-    python benchmarks/profile_step.py --workload sleep --num-envs 16    # the learner-CPU cell
+    python benchmarks/probes/profile_step.py --workload pong --num-envs 16     # the Atari cell
+    python benchmarks/probes/profile_step.py --workload sleep --num-envs 16    # the learner-CPU cell
 
 Prints a markdown table. ``PYTHONPATH=<another checkout>`` profiles another version of clusterenv.
 """
@@ -27,7 +27,8 @@ import gymnasium as gym
 import numpy as np
 import tyro
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # workers import bench_envs from here
+# This folder, then benchmarks/ (bench_envs, report): the workers inherit the path.
+sys.path[:0] = [str(folder) for folder in Path(__file__).resolve().parents[:2]]
 from bench_envs import SleepEnv  # noqa: E402
 from report import command_line  # noqa: E402
 

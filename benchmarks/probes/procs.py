@@ -11,8 +11,8 @@ take wall time but no CPU, so that only the cost of moving steps around is left:
   is ``2 peers x 16 procs`` at most 1.5x this);
 * ``32 peers x 1 env``: the same 32 envs as 32 workers, for comparison.
 
-    python benchmarks/procs.py            # ~2 min on 2 cores
-    python benchmarks/procs.py --quick    # a smoke run
+    python benchmarks/probes/procs.py            # ~2 min on 2 cores
+    python benchmarks/probes/procs.py --quick    # a smoke run
 
 Configurations alternate within each repeat; medians of ``--repeats`` runs are reported.
 Writes ``results/procs.md`` and ``results/procs.json`` next to this file.
@@ -34,13 +34,14 @@ import numpy as np
 import tyro
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # workers import bench_envs from here
+# This folder, then benchmarks/ (bench_envs, report): the workers inherit the path.
+sys.path[:0] = [str(folder) for folder in Path(__file__).resolve().parents[:2]]
 from bench_envs import SleepEnv  # noqa: E402
 from report import command_line  # noqa: E402
 
 from clusterenv import ClusterEnv  # noqa: E402
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
