@@ -7,8 +7,8 @@ bookkeeping for it; the last env's ends when the batch step returns. An autorese
 step (``SAME_STEP``) is timed as a step of its own. One batch step in :data:`SAMPLE_EVERY` is
 timed (its first included), one ``perf_counter`` per env step then: a sample is enough for
 the percentiles, and cheap envs do not pay a clock read per step. Workers send the median and
-95th percentile to the learner at most once a second, with a reply they send anyway, together with the process's CPU seconds and
-resident memory (its env processes included, from ``/proc``).
+95th percentile to the learner at most once a second, with a reply they send anyway, together
+with the process's CPU seconds and resident memory (its env processes included, from ``/proc``).
 """
 
 from __future__ import annotations
