@@ -91,6 +91,9 @@ def test_worker_counts_reach_the_usable_cores_and_rows_are_option_lists() -> Non
     labels_and_options = clusterenv_options(16, 2)
     assert labels_and_options[0] == ("clusterenv (defaults)", {})
     assert all(isinstance(label, str) and isinstance(options, dict) for label, options in labels_and_options)
+    # The drop-in guide's advice for cheap envs: one worker fewer than the cores, the learner a worker's share.
+    assert labels_and_options[-1] == ("clusterenv num_workers=1 learner_envs=8", {"num_workers": 1, "learner_envs": 8})
+    assert clusterenv_options(64, 16)[-1][1] == {"num_workers": 15, "learner_envs": 4}
 
 
 def test_a_run_writes_the_report_and_its_json(tmp_path: Path) -> None:

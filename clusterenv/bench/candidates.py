@@ -62,12 +62,21 @@ def worker_counts(cores: int, num_envs: int) -> list[int]:
 
 
 def clusterenv_options(num_envs: int, cores: int) -> list[tuple[str, dict[str, Any]]]:
-    """ClusterEnv's rows, ``(label, ClusterEnv keyword options)``: the defaults, then other worker counts."""
+    """ClusterEnv's rows, ``(label, ClusterEnv keyword options)``.
+
+    The defaults, other worker counts, and the drop-in guide's advice for cheap envs: one
+    worker fewer than the cores, and the learner stepping as many envs as each worker.
+    """
     rows: list[tuple[str, dict[str, Any]]] = [("clusterenv (defaults)", {})]
     default = default_num_workers(num_envs)
     rows += [
         (f"clusterenv num_workers={w}", {"num_workers": w}) for w in worker_counts(cores, num_envs) if w != default
     ]
+    workers = max(1, min(cores - 1, num_envs - 1))
+    learner_envs = num_envs // (workers + 1)
+    if learner_envs:
+        options = {"num_workers": workers, "learner_envs": learner_envs}
+        rows.append((f"clusterenv num_workers={workers} learner_envs={learner_envs}", options))
     return rows
 
 
