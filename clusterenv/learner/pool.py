@@ -370,6 +370,8 @@ class WorkerPool:
                     path.send(worker_id, arrays, self.seq)
                 else:
                     self._channel.send_frames(frames, to=members.identities[worker_id])
+            except ProtocolError as exc:  # a worker that does not drain its wake channel
+                raise self._fatal(exc) from None
             except zmq.ZMQError as exc:
                 if self.recovery.on_worker_failure == "raise":
                     raise self._fatal(self.recovery.lost_error(worker_id, f"sending {kind.name}")) from exc
@@ -399,7 +401,11 @@ class WorkerPool:
         self._last_sent.update(dict.fromkeys(workers, _SHARED_STEP))
         self._sent_at.update(dict.fromkeys(workers, time.monotonic()))
         self._awaiting.update(workers)
-        for worker_id in path.send_all(actions, self.seq):
+        try:
+            unreachable = path.send_all(actions, self.seq)
+        except ProtocolError as exc:  # a worker that does not drain its wake channel
+            raise self._fatal(exc) from None
+        for worker_id in unreachable:
             if self.recovery.on_worker_failure == "raise":
                 raise self._fatal(self.recovery.lost_error(worker_id, "sending STEP"))
             logger.warning("Worker %d is unreachable; it is taken as lost.", worker_id)

@@ -93,6 +93,9 @@ class SharedSteps:
         try:
             self._channel.pass_fd(self.region.fd, identity)
             self._wakers[worker_id] = self._channel.waker(identity)
+        except ProtocolError as exc:  # it has not read its wake socket: it keeps the message path
+            logger.warning("Worker %d keeps the message path: the step region could not be passed: %s.", worker_id, exc)
+            return None
         except Exception as exc:  # the process is gone: liveness checks find it
             logger.debug("Worker %d: the step region could not be passed (%s).", worker_id, str(exc))
             return None
@@ -124,7 +127,13 @@ class SharedSteps:
 
     # -- a step ----------------------------------------------------------------------------
     def send(self, worker_id: int, actions: Sequence[np.ndarray], call: int) -> None:
-        """Write worker ``worker_id``'s actions into its rows and wake it; ``zmq.ZMQError`` if its process is gone."""
+        """Write worker ``worker_id``'s actions into its rows and wake it.
+
+        Raises:
+            zmq.ZMQError: its process is gone.
+            ProtocolError: naming the worker, if it has not read the wake-ups sent before (a full
+                wake channel: never more than one is in flight, so the worker misbehaves).
+        """
         rows = self.region.workers[worker_id]
         for row, action in zip(rows.actions, actions, strict=True):
             row[...] = action
@@ -137,7 +146,10 @@ class SharedSteps:
         rows.command[1] = call
         rows.command[0] = counter
         self._in_flight[worker_id] = (counter, call)
-        self._wakers[worker_id]()
+        try:
+            self._wakers[worker_id]()  # never blocks
+        except ProtocolError as exc:
+            raise ProtocolError(f"Worker {worker_id} cannot be woken: {exc}.") from None
 
     @property
     def everyone(self) -> bool:
@@ -158,7 +170,8 @@ class SharedSteps:
     def send_all(self, actions: Sequence[np.ndarray], call: int) -> list[int]:
         """:meth:`send` to every worker at once (all on the path): the batch's actions in one copy per leaf.
 
-        Returns the workers whose process could not be woken (gone).
+        Returns the workers whose process could not be woken (gone); raises as :meth:`send`
+        for a worker whose wake channel is full.
         """
         for batch, action in zip(self.region.actions, actions, strict=True):
             batch[...] = action
