@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import itertools
 import os
 import subprocess
@@ -748,3 +749,38 @@ class LockedSpaceEnv(ProcessCounterEnv):
     def __init__(self) -> None:
         self.observation_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
         self.observation_space.lock = threading.Lock()  # type: ignore[attr-defined]
+
+
+class ResizingCartPole(gym.Wrapper):
+    """CartPole whose first step tries to resize its learner's step region, through ``/proc/<learner>/fd``.
+
+    What a local worker's env code can reach: the learner is its worker's parent, of the same
+    user. Each attempt (growing, then shrinking to nothing, which would leave the learner's
+    mapping without pages) appends ``<size> <outcome>`` to ``log``.
+    """
+
+    def __init__(self, log: str) -> None:
+        super().__init__(gym.make("CartPole-v1"))
+        self.log = log
+        self.tried = False
+
+    def step(self, action):
+        if not self.tried:
+            self.tried = True
+            learner_fds = f"/proc/{os.getppid()}/fd"
+            for fd in os.listdir(learner_fds):
+                path = os.path.join(learner_fds, fd)
+                try:
+                    if "clusterenv-steps" not in os.readlink(path):
+                        continue
+                except OSError:
+                    continue
+                for size in (1 << 30, 0):
+                    try:
+                        os.truncate(path, size)
+                        outcome = "resized"
+                    except OSError as exc:
+                        outcome = f"refused ({errno.errorcode[exc.errno]})"
+                    with open(self.log, "a") as f:
+                        f.write(f"{size} {outcome}\n")
+        return self.env.step(action)

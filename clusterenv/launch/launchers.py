@@ -62,7 +62,8 @@ class LocalLauncher:
             ZeroMQ socket (:mod:`clusterenv.wire.pipes`; not under ``encrypt=True``): faster when
             every core is busy. The learner passes its end to :attr:`attach_pipe`; the child
             inherits its own as ``--connect pipe://FD``, with a wake socket (``--wake FD``) for
-            the shared step path (:mod:`clusterenv.wire.step_region`).
+            the shared step path (:mod:`clusterenv.wire.step_region`) where a file descriptor can
+            be passed over a socket (``SCM_RIGHTS``).
         batch_scheduling: start the workers as CPU-bound processes (Linux's ``SCHED_BATCH``,
             ``clusterenv-worker --batch-scheduling``), so that a worker woken by the learner waits
             for a free core instead of preempting the learner; their share of CPU is unchanged.
@@ -88,7 +89,15 @@ class LocalLauncher:
             ours = theirs = wake_ours = wake_theirs = None
             if self.pipes and self.attach_pipe is not None:
                 ours, theirs = pipe_pair()
-                wake_ours, wake_theirs = wake_pair()
+                wake = wake_pair()
+                if wake is not None:
+                    wake_ours, wake_theirs = wake
+                else:
+                    logger.info(
+                        "Worker %d keeps the message path: this Python cannot pass a file descriptor over a socket "
+                        "(no SCM_RIGHTS), which the shared step path needs.",
+                        worker_id,
+                    )
             command = [
                 sys.executable,
                 "-m",

@@ -393,6 +393,8 @@ class WorkerPool:
                 self._channel.send_frames(frames, to=members.identities[worker_id])
                 if path is not None:
                     path.announce(members.serving[worker_id])
+        except ProtocolError as exc:  # a worker that does not drain its wake channel
+            raise self._fatal(exc) from None
         except zmq.ZMQError as exc:
             if self.recovery.on_worker_failure == "raise":
                 raise self._fatal(self.recovery.lost_error(worker_id, f"sending {kind.name}")) from exc
@@ -469,7 +471,11 @@ class WorkerPool:
         self._unsent.update(dict.fromkeys(workers))  # into the step region
         path.write_actions(actions)
         for worker_id in workers:
-            if not path.command(worker_id, self.seq):
+            try:
+                reached = path.command(worker_id, self.seq)
+            except ProtocolError as exc:  # a worker that does not drain its wake channel
+                raise self._fatal(exc) from None
+            if not reached:
                 if self.recovery.on_worker_failure == "raise":
                     raise self._fatal(self.recovery.lost_error(worker_id, "sending STEP"))
                 logger.warning("Worker %d is unreachable; it is taken as lost.", worker_id)

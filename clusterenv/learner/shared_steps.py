@@ -138,6 +138,9 @@ class SharedSteps:
         try:
             self._channel.pass_fd(self.region.fd, identity)
             self._wakers[worker_id] = self._channel.waker(identity)
+        except ProtocolError as exc:  # it has not read its wake socket: it keeps the message path
+            logger.warning("Worker %d keeps the message path: the step region could not be passed: %s.", worker_id, exc)
+            return None
         except Exception as exc:  # the process is gone: liveness checks find it
             logger.debug("Worker %d: the step region could not be passed (%s).", worker_id, str(exc))
             return None
@@ -180,7 +183,13 @@ class SharedSteps:
             words[MESSAGES_SENT] += 1
 
     def send(self, worker_id: int, actions: Sequence[np.ndarray], call: int) -> None:
-        """Write worker ``worker_id``'s actions into its rows and command it (``zmq.ZMQError``: its process is gone)."""
+        """Write worker ``worker_id``'s actions into its rows and command it.
+
+        Raises:
+            zmq.ZMQError: its process is gone.
+            ProtocolError: naming the worker, if it has not read the wake-ups sent before (a full
+                wake channel: a worker wakes only after it asked to, so it misbehaves).
+        """
         rows = self.region.workers[worker_id]
         for row, action in zip(rows.actions, actions, strict=True):
             row[...] = action
@@ -205,7 +214,10 @@ class SharedSteps:
         self._counters[worker_id] = counter
         fence()  # our counter, visible before we read whether the worker sleeps (it raises, fences, reads ours)
         if rows.reply[WORKER_WAITS]:
-            self._wakers[worker_id]()
+            try:
+                self._wakers[worker_id]()  # never blocks
+            except ProtocolError as exc:
+                raise ProtocolError(f"Worker {worker_id} cannot be woken: {exc}.") from None
 
     def resume(self, worker_id: int, call: int) -> bool:
         """Finish worker ``worker_id``'s command of ``call`` after an interrupted send; False if none was recorded."""

@@ -208,10 +208,16 @@ def share_steps(
     Workers the learner started on this host, on pipes, whose spaces have a fixed array form
     (:mod:`clusterenv.wire.step_region`); the region's observations are the batch, and the
     others keep the message path and send their observations as frames, written into it.
+    Where no file for the region can be made (no memfd, and no room for a file in a scratch directory),
+    every worker keeps the message path, and a warning says so.
     """
     if not fits(observation_space, action_space) or not any(pool.can_wake(w) for w in range(len(slices))):
         return None
-    region = StepRegion(observation_space, action_space, slices)
+    try:
+        region = StepRegion(observation_space, action_space, slices)
+    except OSError as exc:
+        logger.warning("The shared step region could not be made here (%s); every worker keeps the message path.", exc)
+        return None
     on_path = pool.share_steps(region, timeout, spin_us)
     if not on_path:
         return None

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import array
 import collections
+import contextlib
 import errno
 import logging
 import os
@@ -35,6 +36,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
+
+from clusterenv.errors import ProtocolError
 
 __all__ = ["WOKEN", "LearnerPipes", "Pipe", "PipeClosed", "WakeSocket", "pipe_pair", "wake_pair"]
 
@@ -60,12 +63,20 @@ def pipe_pair() -> tuple[socket.socket, socket.socket]:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     for end in (ours, theirs):
         for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-            end.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER_BYTES)
+            # Linux caps the size at its maximum; a system that refuses it instead keeps its default.
+            with contextlib.suppress(OSError):
+                end.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER_BYTES)
     return ours, theirs
 
 
-def wake_pair() -> tuple[socket.socket, socket.socket]:
-    """A connected pair of Unix stream sockets for wake-up bytes on the shared step path (neither inheritable)."""
+def wake_pair() -> tuple[socket.socket, socket.socket] | None:
+    """A connected pair of Unix stream sockets for wake-up bytes on the shared step path (neither inheritable).
+
+    ``None`` where this Python cannot pass a file descriptor over a socket (no ``SCM_RIGHTS``): the
+    shared step path passes its region so, and workers then keep the message path.
+    """
+    if not (hasattr(socket, "SCM_RIGHTS") and hasattr(socket, "CMSG_SPACE") and hasattr(socket.socket, "sendmsg")):
+        return None
     return socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
 
 
@@ -75,7 +86,7 @@ WOKEN: list[Any] = []
 # A wake-up byte: a command or a reply is in the shared step region.
 _WAKE = b"w"
 # Room for the few descriptors one read may carry (the learner passes one at a time).
-_ANCILLARY_BYTES = socket.CMSG_SPACE(4 * 4)
+_ANCILLARY_BYTES = socket.CMSG_SPACE(4 * 4) if hasattr(socket, "CMSG_SPACE") else 0  # none: see wake_pair()
 # The byte that carries a file descriptor (the step region) as SCM_RIGHTS ancillary data.
 _FD = b"f"
 
@@ -84,33 +95,51 @@ class WakeSocket:
     """One end of a wake socket: single bytes that say "your turn" on the shared step path, and the region's file.
 
     The learner reads its end only where a byte has arrived, or in a read bounded by
-    ``WAKE_READ_TIMEOUT_S`` (:meth:`LearnerPipes.await_wake_ups`), and a byte always fits: at most
-    one is in flight each way. A worker's end waits in
+    ``WAKE_READ_TIMEOUT_S`` (:meth:`LearnerPipes.await_wake_ups`). A worker's end waits in
     :meth:`PipeCarrier.recv <clusterenv.wire.carriers.PipeCarrier.recv>` together with its pipe.
     Bytes read are counted, so that two wake-ups read at once are two.
+
+    At most one wake-up is in flight each way, so a byte always fits unless the other end has
+    stopped reading what the protocol has it read. The learner's end never waits for that
+    (``never_waits``): it sends without blocking, and a channel found full is a
+    ``ProtocolError``, so that a worker that never drains its end cannot hang the learner. A
+    worker's end waits, as on its pipe: a worker only ever waits for its learner.
+
+    Args:
+        sock: one end of a :func:`wake_pair`.
+        blocking: whether reads wait (the learner's reads are bounded by ``SO_RCVTIMEO`` instead).
+        takes_fds: a worker's end, which keeps the files passed to it; the learner's ignores any
+            (the kernel closes them).
+        never_waits: sends never block (the learner's end).
     """
 
-    def __init__(self, sock: socket.socket, *, blocking: bool, takes_fds: bool) -> None:
+    def __init__(self, sock: socket.socket, *, blocking: bool, takes_fds: bool, never_waits: bool = False) -> None:
         self.sock = sock
         self.sock.setblocking(blocking)
         self.fd = sock.fileno()
-        self.takes_fds = takes_fds  # a worker's end; the learner's ignores any (the kernel closes them)
+        self.takes_fds = takes_fds
+        self._send_flags = socket.MSG_DONTWAIT if never_waits else 0
         self.closed = False
         self.wakes = 0  # wake-up bytes read and not yet taken
         self.fds: collections.deque[int] = collections.deque()  # files received and not yet taken
 
     def wake(self) -> None:
-        """Send one wake-up byte; ``PipeClosed`` if the other end is gone."""
+        """Send one wake-up byte; ``PipeClosed`` if the other end is gone, ``ProtocolError`` if it is full."""
         try:
-            os.write(self.fd, _WAKE)
+            self.sock.send(_WAKE, self._send_flags)
+        except BlockingIOError:
+            raise _full() from None
         except OSError as exc:
             self.close()
             raise PipeClosed(f"The other end of the wake socket is gone ({exc}).") from None
 
     def pass_fd(self, fd: int) -> None:
-        """Send a file descriptor (it arrives before anything sent on the pipe after this call)."""
+        """Send a file descriptor (it arrives before anything sent on the pipe after it); raises as :meth:`wake`."""
         try:
-            socket.send_fds(self.sock, [_FD], [fd])
+            # sendmsg itself: socket.send_fds() drops its flags (CPython 3.11 to 3.13), so it would block.
+            self.sock.sendmsg([_FD], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))], self._send_flags)
+        except BlockingIOError:
+            raise _full() from None
         except OSError as exc:
             self.close()
             raise PipeClosed(f"The other end of the wake socket is gone ({exc}).") from None
@@ -149,6 +178,13 @@ class WakeSocket:
         while self.fds:
             os.close(self.fds.popleft())
         self.sock.close()
+
+
+def _full() -> ProtocolError:
+    return ProtocolError(
+        "its wake channel is full (it has not read the wake-up bytes sent to it; the protocol never has more "
+        "than one in flight)"
+    )
 
 
 def _record(frames: Sequence[Any]) -> list[Any]:
@@ -354,7 +390,7 @@ class LearnerPipes:
         self._poller.register(pipe.fd, select.POLLIN)
         if wake is not None:
             # Blocking, for await_wake_ups(); recv() reads one only when the poll says it has a byte.
-            waker = WakeSocket(wake, blocking=True, takes_fds=False)
+            waker = WakeSocket(wake, blocking=True, takes_fds=False, never_waits=True)
             wake.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _RECEIVE_TIMEOUT)
             self._wakes[pipe] = waker
             self._by_wake_fd[waker.fd] = pipe
@@ -368,13 +404,14 @@ class LearnerPipes:
     def waker(self, identity: bytes) -> Callable[[], None]:
         """A function that sends a wake-up byte to the worker process ``identity`` (looked up once, not per step).
 
-        It raises ``zmq.ZMQError(EHOSTUNREACH)`` once the process is gone, as a send does.
+        It raises ``zmq.ZMQError(EHOSTUNREACH)`` once the process is gone, as a send does, and
+        ``ProtocolError`` if the process has not read the wake-ups sent before (it never blocks).
         """
         pipe, waker = self._wake_socket(identity)
         return lambda: self._on_wake(identity, pipe, waker, WakeSocket.wake)
 
     def pass_fd(self, identity: bytes, fd: int) -> None:
-        """Send a file descriptor to the worker process ``identity`` over its wake socket."""
+        """Send a file descriptor to the worker process ``identity`` over its wake socket; raises as :meth:`waker`'s."""
         pipe, waker = self._wake_socket(identity)
         self._on_wake(identity, pipe, waker, lambda waker: waker.pass_fd(fd))
 

@@ -2,7 +2,7 @@
 
 A step of cheap envs moves a few hundred bytes, and on the message path each worker's
 reply cost the learner more CPU than the envs' own step (framing, MACs, parsing). For the
-workers the learner starts on its own host, one anonymous shared file (``memfd``) holds,
+workers the learner starts on its own host, one nameless shared file holds,
 batched over all envs, every field a plain step moves, and one header per worker::
 
     [ token | worker 0 header | worker 1 header | ... | actions leaves | observation leaves
@@ -45,7 +45,10 @@ sending a message. Anything else (a new key, another type, a ``final_obs``) is a
 Observations are the learner's batch itself: the worker's envs write them in place. Nothing
 in the region is ever unpickled; its layout follows from the spaces alone, and a worker maps
 it only if its own spaces give the same layout. The file has no name: it is passed over the
-wake socket (``SCM_RIGHTS``), so nothing is left behind by a learner that is killed.
+wake socket (``SCM_RIGHTS``), so nothing is left behind by a learner that is killed. It is a memfd sealed
+against resizing, so that no worker can truncate it under the learner's mapping (which would
+kill the learner with ``SIGBUS``), or where there is no memfd an unlinked file
+(:mod:`clusterenv.wire.region_file`).
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ from gymnasium import spaces
 from clusterenv.wire.infos import InfoPayload, PackedInfos
 from clusterenv.wire.leaves import is_array_tree, leaf_specs, unflatten
 from clusterenv.wire.messages import StepRegionMeta
+from clusterenv.wire.region_file import open_region_file
 
 __all__ = [
     "DONE",
@@ -250,6 +254,9 @@ class StepRegion:
     Args:
         observation_space, action_space: one env's spaces (both with a fixed array form).
         slices: the envs of each worker.
+
+    Raises:
+        OSError: no file for the region can be made here (see :func:`~clusterenv.wire.region_file.open_region_file`).
     """
 
     def __init__(self, observation_space: spaces.Space, action_space: spaces.Space, slices: list[slice]) -> None:
@@ -260,9 +267,11 @@ class StepRegion:
         self.slices = slices
         self.num_envs = slices[-1].stop
         self._fields, self.size = region_layout(observation_space, action_space, self.num_envs, len(slices))
-        self.fd = os.memfd_create("clusterenv-steps", os.MFD_CLOEXEC)
+        file = open_region_file(self.size)  # OSError: none can be made here (the caller keeps messages)
+        self.fd = file.fd
+        #: Whether no holder of the file can resize it (a sealed memfd; see ``wire.region_file``).
+        self.sealed = file.sealed
         self._close_fd = weakref.finalize(self, os.close, self.fd)  # also if the pool never closes it
-        os.ftruncate(self.fd, self.size)
         # The views keep the mapping alive as long as any array (a user's copy=False batch) refers to it.
         self._buffer = mmap.mmap(self.fd, self.size)
         self.token = secrets.token_bytes(_TOKEN_BYTES)

@@ -32,11 +32,9 @@ def yield_core() -> None:
     A spinner calls it every few µs: on a machine busier than the rule assumed (other jobs,
     a noisy neighbour), the process it waits for may be queued behind it on its own core.
     """
-    if _sched_yield is not None:
-        _sched_yield()
-
-
-_sched_yield = getattr(os, "sched_yield", None)  # POSIX; elsewhere a spinner only spins
+    sched_yield = getattr(os, "sched_yield", None)  # POSIX; where it is missing a spinner only spins
+    if sched_yield is not None:
+        sched_yield()
 
 
 def usable_cores() -> int:
