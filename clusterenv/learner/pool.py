@@ -658,6 +658,9 @@ class WorkerPool:
             msg = self._shared_reply(worker_id, WAKE_UP)
             if msg is None:
                 continue
+            if msg.meta["seq"] != self.seq:  # a step of a call given up earlier: over, and nobody's reply
+                path.taken(worker_id, msg)
+                continue
             if replies is None:
                 self._stash.append((worker_id, msg))
                 self._taken(worker_id, msg)
@@ -739,9 +742,12 @@ class WorkerPool:
         for worker_id in sorted(pending):
             if not path.in_flight(worker_id):
                 return
-            msg = path.await_reply(worker_id, WAKE_READ_TIMEOUT_S)
-            if msg is NOT_YET or msg is None:
-                return
+            try:
+                msg = path.await_reply(worker_id, WAKE_READ_TIMEOUT_S)
+            except ProtocolError as exc:  # words no worker of ours writes
+                raise self._fatal(exc) from None
+            if msg is NOT_YET or msg is None or msg.meta["seq"] != self.seq:
+                return  # _await takes it from here (and forgets a step of an earlier call)
             self._take(worker_id, msg, replies, pending)
 
     def _shared_reply(self, worker_id: int, msg: Message) -> Message | None:
