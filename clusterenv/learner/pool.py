@@ -885,11 +885,13 @@ class WorkerPool:
         # Without blocking: a frozen worker's full queue must not hang close().
         self._channel.zmq_socket.setsockopt(zmq.SNDTIMEO, 0)
         self.seq += 1
-        for identity in self.members.peers:
+        for identity, process in self.members.peers.items():
             try:
                 self._channel.send(Kind.CLOSE, {"seq": self.seq}, to=identity)
             except zmq.ZMQError:
-                pass  # already gone
+                continue  # already gone
+            if self.step_path is not None:  # a worker spinning on its header turns to its pipe at once
+                self.step_path.announce(process)
         if not terminate:
             self._await_closed(deadline)
         self.launcher.stop(0.0 if terminate else max(0.0, deadline - time.monotonic()))
