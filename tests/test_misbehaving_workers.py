@@ -29,6 +29,7 @@ from clusterenv.learner.shared_steps import SharedSteps
 from clusterenv.wire.pipes import LearnerPipes, Pipe, pipe_pair, wake_pair
 from clusterenv.wire.protocol import Kind
 from clusterenv.wire.step_region import WORKER_WAITS, StepRegion
+from tests.conftest import wait_until
 
 CARTPOLES = [functools.partial(gym.make, "CartPole-v1")] * 4
 F_SEAL_FUTURE_WRITE = 0x0010  # Linux 5.1: no new writable mappings (not in Python's fcntl)
@@ -70,7 +71,7 @@ def test_a_worker_that_tries_to_resize_the_region_is_refused_and_the_learner_ste
         import numpy as np
         from gymnasium.vector import SyncVectorEnv
         from clusterenv import ClusterEnv
-        from tests.conftest import assert_same
+        from tests.conftest import wait_until, assert_same
         from tests.envs import ResizingCartPole
 
         cartpoles = [functools.partial(gym.make, "CartPole-v1")] * 4
@@ -161,6 +162,9 @@ def test_a_frozen_worker_whose_wake_channel_fills_fails_the_step_instead_of_hang
     with ClusterEnv(CARTPOLES, num_workers=2, timeout=10) as envs:
         envs.reset(seed=0)
         frozen = envs.worker_info[1]["pid"]
+        # Blocked, having asked to be woken (a worker is woken only then): frozen so, it never reads its wake-ups.
+        rows = envs.pool.step_path.region.workers[1]
+        assert wait_until(lambda: rows.reply[WORKER_WAITS] == 1, timeout=10)
         os.kill(frozen, signal.SIGSTOP)
         try:
             error, returned = wake_until_refused(lambda: envs.pool.step_path.send(1, [np.array([0, 1])], call=0))

@@ -5,3 +5,5 @@ A worker process steps its slice with :class:`~clusterenv.stepping.recording_env
 slice (``ClusterEnv(learner_envs=k)``): so every per-env semantic (autoreset modes, seeding,
 info batching, recovering from env errors) is one piece of code wherever the envs run.
 """
+
+__all__: list[str] = []
