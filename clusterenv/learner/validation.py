@@ -186,8 +186,9 @@ def pickle_argument(value: Any, what: str) -> bytes:
         raise TypeError(f"The {what} cannot be pickled to send to workers: {exc}") from exc
 
 
-def check_batch_size(batch_size: Any, num_envs: int, num_workers: int) -> int:
-    """``batch_size`` for first-ready ``recv()``: whole workers' slices, so equal slices and a multiple of one."""
+def check_batch_size(batch_size: Any, sizes: Sequence[int]) -> int:
+    """``batch_size`` for first-ready ``recv()``: whole workers' slices (``sizes`` envs each), so equal ones, and a multiple."""
+    num_envs, num_workers = sum(sizes), len(sizes)
     if batch_size is None:
         return num_envs
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
@@ -201,6 +202,11 @@ def check_batch_size(batch_size: Any, num_envs: int, num_workers: int) -> int:
         raise ValueError(
             f"batch_size={batch_size} < num_envs needs the same number of envs on every worker, so that recv() "
             f"can return whole workers; {num_envs} envs do not split evenly over num_workers={num_workers}."
+        )
+    if len(set(sizes)) > 1:
+        raise ValueError(
+            f"batch_size={batch_size} < num_envs needs the same number of envs on every worker, so that recv() "
+            f"can return whole workers; the vector envs in `env_fns` give the workers {list(sizes)} envs."
         )
     per_worker = num_envs // num_workers
     if batch_size % per_worker:

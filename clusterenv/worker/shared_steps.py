@@ -30,6 +30,7 @@ from clusterenv.wire.step_region import (
 from clusterenv.worker.commands import Worker
 from clusterenv.worker.failures import EnvFailure, error_reply
 from clusterenv.worker.recording_env import RecordingVectorEnv, dumps
+from clusterenv.worker.units import UnitsVectorEnv
 
 __all__ = ["ends_with_wake_up", "install_step_handlers"]
 
@@ -53,7 +54,7 @@ class _SharedStepper:
             return Message(Kind.VALUE, ValueMeta(attached=False))
         # One process stepping exactly the rows named: env processes (procs_per_worker > 1) and
         # re-homed workers keep the message path.
-        if not isinstance(envs, RecordingVectorEnv) or worker.tag or meta["stop"] - meta["start"] != envs.num_envs:
+        if not isinstance(envs, (RecordingVectorEnv, UnitsVectorEnv)) or worker.tag or meta["stop"] - meta["start"] != envs.num_envs:
             os.close(fd)
             return Message(Kind.VALUE, ValueMeta(attached=False))
         try:
@@ -78,7 +79,7 @@ class _SharedStepper:
         counter, call = int(rows.command[0]), int(rows.command[1])
         worker.mailbox.seq = call  # what any message about this step (infos, an error) carries
         envs = worker.envs
-        assert isinstance(envs, RecordingVectorEnv)
+        assert isinstance(envs, (RecordingVectorEnv, UnitsVectorEnv))
         rows.reply[1] = MESSAGE  # until the results are in: an error's reply is a message
         rows.reply[0] = counter
         # Copies: env code may write into its action, and the rows are the learner's to write next.
