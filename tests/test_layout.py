@@ -24,7 +24,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     "worker": {"errors", "wire", "policy"},
     "launch": {"errors", "wire"},
     "learner": {"errors", "wire", "policy", "launch"},
-    "make": {"learner"},
+    "unit_factories": set(),
+    "make": {"launch", "learner", "unit_factories"},
+    "pettingzoo": {"learner", "unit_factories"},
     "sb3": {"errors", "wire", "learner"},
     "__init__": {"errors", "wire", "policy", "launch", "learner", "make"},
 }

@@ -309,3 +309,63 @@ def test_policy_runner_acts_on_units_as_on_the_same_single_envs():
             runner = PolicyRunner(envs, torch.nn.Linear(4, 2), EveryUpdate(), seed=0)
             batches.append([dataclasses.asdict(runner.rollout(30)) for _ in range(2)])
     assert_same(batches[0], batches[1])
+
+
+# -- EnvPool on every host -----------------------------------------------------------------------
+def test_envpool_recipe_builds_one_envpool_per_worker_equal_to_one_envpool():
+    from clusterenv.unit_factories import host_cores
+
+    vector_kwargs = {"units": "envpool", "num_workers": 2}
+    with clusterenv_make_vec("CartPole-v1", 9, vector_kwargs, seed=3) as envs, closing(envpool_cartpoles(9, 3)) as one:
+        assert [w["units"] for w in envs.worker_info] == [[(0, 4)], [(5, 8)]]
+        # Local workers share this host's cores: each EnvPool takes half (at most one thread per env).
+        threads = envs.apply(lambda pool: pool.config["num_threads"])
+        assert threads == (min(max(1, host_cores() // 2), 5),) * 5 + (min(max(1, host_cores() // 2), 4),) * 4
+        assert_same(envs.reset()[0], one.reset()[0])
+        for t in range(200):
+            actions = np.full(9, t % 2)
+            got, expected = envs.step(actions), one.step(actions)
+            assert_same(got[:4], (expected[0], expected[1].astype(np.float64), expected[2], expected[3]))
+
+
+def test_envpool_recipe_refuses_what_it_cannot_honour():
+    with pytest.raises(ValueError, match=r"`vector_kwargs\['units'\]` must be 'envpool', got 'ray'"):
+        clusterenv_make_vec("CartPole-v1", 4, {"units": "ray"})
+    with pytest.raises(ValueError, match=r"`wrappers` cannot be applied"):
+        clusterenv_make_vec("CartPole-v1", 4, {"units": "envpool"}, wrappers=[gym.wrappers.RecordEpisodeStatistics])
+    with pytest.raises(ValueError, match=r"`num_workers` must be an int between 1 and num_envs=4, got 5"):
+        clusterenv_make_vec("CartPole-v1", 4, {"units": "envpool", "num_workers": 5})
+
+
+def clusterenv_make_vec(*args: Any, **kwargs: Any) -> ClusterEnv:
+    import clusterenv
+
+    return clusterenv.make_vec(*args, **kwargs)
+
+
+def test_envpool_recipe_on_another_host_uses_that_hosts_cores():
+    from tests import netns
+    from tests.test_remote import FAST as REMOTE_FAST
+    from tests.test_remote import SECRET
+
+    if reason := netns.unavailable():
+        pytest.skip(f"no other host here: {reason}")
+    from clusterenv.unit_factories import host_cores
+
+    with netns.other_host() as host, netns.external_workers(host, 2, SECRET) as address:
+        vector_kwargs = {
+            "units": "envpool",
+            "num_workers": 2,
+            "bind": address,
+            "secret": SECRET,
+            "launcher": "external",
+            "heartbeat": REMOTE_FAST,
+        }
+        with clusterenv_make_vec("CartPole-v1", 8, vector_kwargs, seed=5) as envs, closing(envpool_cartpoles(8, 5)) as one:
+            assert [w["host"] for w in envs.worker_info] == [host.hostname] * 2
+            # One worker per host: each EnvPool takes every core of its host (at most one thread per env).
+            assert envs.apply(lambda pool: pool.config["num_threads"]) == (min(host_cores(), 4),) * 8
+            assert_same(envs.reset()[0], one.reset()[0])
+            for t in range(100):
+                actions = np.full(8, t % 2)
+                np.testing.assert_array_equal(envs.step(actions)[0], one.step(actions)[0])

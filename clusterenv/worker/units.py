@@ -34,7 +34,7 @@ from clusterenv.worker.failures import EnvTracker
 from clusterenv.worker.recording_env import RecordingVectorEnv, build_from, make_envs
 from clusterenv.worker.step_clock import StepClock
 
-__all__ = ["UnitsVectorEnv", "build_worker_envs", "split_infos", "unit_spaces"]
+__all__ = ["UnitsVectorEnv", "build_worker_envs", "split_infos", "unit_autoreset_mode", "unit_spaces"]
 
 logger = logging.getLogger(__name__)
 
@@ -354,7 +354,9 @@ class UnitsVectorEnv(VectorEnv):
         return {
             "observation_spaces": observation_spaces,
             "action_spaces": action_spaces,
-            "metadata": self.metadata,
+            # The mode travels as a value (entry_modes): an enum is a class that the learner's safe
+            # unpickling refuses from workers it did not start.
+            "metadata": {key: value for key, value in self.metadata.items() if key != "autoreset_mode"},
             "render_mode": self.render_mode,
             "entry_envs": list(self.sizes),
             "entry_modes": [
