@@ -13,6 +13,10 @@ copy of the game is SuperSuit's vector env over its agents, a unit that a worker
 (docs/guides/units.md), and the ``ClusterEnv`` returns, step for step, what
 ``concat_vec_envs_v1(..., num_cpus=0, base_class="gymnasium")`` returns with the same copies and
 seeds. SuperSuit seeds copy ``i`` with ``seed + i`` (not with its first slot), and so does this.
+
+Unseeded, the copies differ from SuperSuit's: SuperSuit makes the game once and pickles a copy
+of it per copy, while each worker here makes its copies from ``parallel_env_fn``. Seed a reset
+(``reset(seed=s)``) and the two are equal from there on.
 """
 
 from __future__ import annotations
@@ -23,7 +27,24 @@ from typing import Any
 from clusterenv.learner.vector_env import ClusterEnv
 from clusterenv.unit_factories import PettingZooCopy
 
-__all__ = ["make_vec"]
+__all__ = ["env_fns", "make_vec"]
+
+
+def env_fns(parallel_env_fn: Callable[[], Any], num_envs: int) -> list[PettingZooCopy]:
+    """The factories of ``num_envs`` copies of a game, for ``ClusterEnv`` or ``ClusterVecEnv`` (SB3).
+
+    ``ClusterVecEnv(clusterenv.pettingzoo.env_fns(game, 8), num_workers=4)`` is SuperSuit's
+    ``concat_vec_envs_v1(..., base_class="stable_baselines3")`` with clusterenv workers.
+
+    Args:
+        parallel_env_fn: makes the game (see :func:`make_vec`).
+        num_envs: copies of the game.
+    """
+    if not callable(parallel_env_fn):
+        raise TypeError(f"`parallel_env_fn` must be a callable that makes the game, got {type(parallel_env_fn).__name__}.")
+    if isinstance(num_envs, bool) or not isinstance(num_envs, int) or num_envs < 1:
+        raise ValueError(f"`num_envs` (copies of the game) must be a positive int, got {num_envs!r}.")
+    return [PettingZooCopy(parallel_env_fn, i) for i in range(num_envs)]
 
 
 def make_vec(parallel_env_fn: Callable[[], Any], num_envs: int, **vector_kwargs: Any) -> ClusterEnv:
@@ -51,11 +72,6 @@ def make_vec(parallel_env_fn: Callable[[], Any], num_envs: int, **vector_kwargs:
         (40, (457, 120, 3))
         >>> envs.close()
     """
-    if not callable(parallel_env_fn):
-        raise TypeError(f"`parallel_env_fn` must be a callable that makes the game, got {type(parallel_env_fn).__name__}.")
-    if isinstance(num_envs, bool) or not isinstance(num_envs, int) or num_envs < 1:
-        raise ValueError(f"`num_envs` (copies of the game) must be a positive int, got {num_envs!r}.")
     if "env_fns" in vector_kwargs:
         raise TypeError("`env_fns` are made by clusterenv.pettingzoo.make_vec, one per copy of the game.")
-    copies = [PettingZooCopy(parallel_env_fn, i) for i in range(num_envs)]
-    return ClusterEnv(copies, **vector_kwargs)
+    return ClusterEnv(env_fns(parallel_env_fn, num_envs), **vector_kwargs)

@@ -97,3 +97,43 @@ def test_bad_arguments_are_refused_before_any_worker_starts():
         clusterenv.pettingzoo.make_vec(pistonball, 0)
     with pytest.raises(TypeError, match=r"`parallel_env_fn` must be a callable that makes the game, got aec_to_parallel_wrapper"):
         clusterenv.pettingzoo.make_vec(pistonball(), 2)
+
+
+def preprocessed_pistonball() -> Any:
+    """The game of SuperSuit's Stable-Baselines3 recipe: grey 84 x 84 frames, 3 stacked, continuous pistons."""
+    from supersuit import color_reduction_v0, frame_stack_v1, resize_v1
+
+    env = pettingzoo.make("parallel", "butterfly/pistonball-v6", continuous=True, max_cycles=125)
+    return frame_stack_v1(resize_v1(color_reduction_v0(env, mode="B"), x_size=84, y_size=84), 3)
+
+
+# SuperSuit's SB3 wrapper has no `get_attr` for SB3's render-mode probe, and SB3 warns about it.
+@pytest.mark.filterwarnings("ignore:The `render_mode` attribute is not defined:UserWarning")
+def test_sb3_ppo_on_pistonball_trains_to_supersuits_weights_through_cluster_vec_env():
+    pytest.importorskip("stable_baselines3")
+    torch = pytest.importorskip("torch")
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.utils import set_random_seed
+
+    from clusterenv.sb3 import ClusterVecEnv
+
+    def train(env: Any, seeded_reset: Any) -> dict[str, Any]:
+        # SuperSuit's SB3 wrapper resets without SB3's seeds: both runs start from one seeded reset.
+        seeded_reset(7)
+        set_random_seed(0)
+        model = PPO("CnnPolicy", env, n_steps=8, batch_size=160, n_epochs=1, learning_rate=1e-3, device="cpu")
+        model.learn(total_timesteps=2 * 8 * env.num_envs)
+        return model.policy.state_dict()
+
+    reference = concat_vec_envs_v1(
+        pettingzoo_env_to_vec_env_v1(preprocessed_pistonball()), 2, num_cpus=0, base_class="stable_baselines3"
+    )
+    with closing(reference):
+        expected = train(reference, lambda seed: reference.venv.reset(seed=seed))
+    env = ClusterVecEnv(clusterenv.pettingzoo.env_fns(preprocessed_pistonball, 2), num_workers=2)
+    with closing(env):
+        assert env.num_envs == 40
+        got = train(env, lambda seed: env.cluster_env.reset(seed=seed))
+    assert expected.keys() == got.keys()
+    for name, weights in expected.items():
+        assert torch.equal(weights, got[name]), name

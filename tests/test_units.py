@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
+import importlib.util
 import os
 import signal
 from contextlib import closing
@@ -26,8 +28,6 @@ from clusterenv.errors import RemoteEnvError
 from clusterenv.wire.liveness import Heartbeat
 from tests.conftest import assert_same, pid_alive, wait_until
 
-envpool = pytest.importorskip("envpool")
-
 # EnvPool's classic-control spaces are made from float64 bounds, and Gymnasium warns as it casts them.
 pytestmark = pytest.mark.filterwarnings("ignore:.*precision lowered by casting to float32:UserWarning")
 
@@ -39,8 +39,15 @@ def cartpoles(count: int, mode: AutoresetMode = AutoresetMode.NEXT_STEP) -> Sync
     return SyncVectorEnv([functools.partial(gym.make, "CartPole-v1")] * count, autoreset_mode=mode)
 
 
+needs_envpool = pytest.mark.skipif(importlib.util.find_spec("envpool") is None, reason="EnvPool is not installed")
+
+
+def envpool_make(*args: Any, **kwargs: Any) -> VectorEnv:
+    return importlib.import_module("envpool").make(*args, **kwargs)
+
+
 def envpool_cartpoles(count: int, seed: int) -> VectorEnv:
-    return envpool.make("CartPole-v1", env_type="gymnasium", num_envs=count, seed=seed)
+    return envpool_make("CartPole-v1", env_type="gymnasium", num_envs=count, seed=seed)
 
 
 class Concatenated:
@@ -143,6 +150,7 @@ def test_a_unit_at_slot_offset_k_is_seeded_s_plus_k_so_units_equal_one_sync_vect
         assert run_lockstep(flat, candidate, 200, seed=5, mode=AutoresetMode.NEXT_STEP) >= 10
 
 
+@needs_envpool
 def test_envpool_units_equal_the_same_envpools_concatenated():
     # EnvPool takes its seed when it is made; reset(seed=...) is ignored by EnvPool (it warns, in
     # the worker): the envs are those of their construction seeds, whatever reset's seed is.
@@ -163,6 +171,7 @@ def test_envpool_units_equal_the_same_envpools_concatenated():
     assert episodes >= 10
 
 
+@needs_envpool
 def test_envpool_units_seeded_s_plus_k_equal_one_envpool():
     # The EnvPool recipe seeds the unit at slot k with s + k: together they are one EnvPool seeded s.
     with (
@@ -176,9 +185,10 @@ def test_envpool_units_seeded_s_plus_k_equal_one_envpool():
             np.testing.assert_array_equal(units.step(actions)[0], one.step(actions)[0])
 
 
+@needs_envpool
 def test_envpool_pong_units_equal_the_same_envpools_concatenated():
     pytest.importorskip("ale_py")
-    fns = [functools.partial(envpool.make, "Pong-v5", env_type="gymnasium", num_envs=2, seed=s) for s in (0, 2)]
+    fns = [functools.partial(envpool_make, "Pong-v5", env_type="gymnasium", num_envs=2, seed=s) for s in (0, 2)]
     with ClusterEnv(fns, num_workers=2) as candidate, closing(Concatenated([fn() for fn in fns])) as reference:
         assert candidate.observation_space.shape == (4, 4, 84, 84)
         assert_same(reference.reset(), candidate.reset())
@@ -312,6 +322,7 @@ def test_policy_runner_acts_on_units_as_on_the_same_single_envs():
 
 
 # -- EnvPool on every host -----------------------------------------------------------------------
+@needs_envpool
 def test_envpool_recipe_builds_one_envpool_per_worker_equal_to_one_envpool():
     from clusterenv.unit_factories import host_cores
 
@@ -343,6 +354,7 @@ def clusterenv_make_vec(*args: Any, **kwargs: Any) -> ClusterEnv:
     return clusterenv.make_vec(*args, **kwargs)
 
 
+@needs_envpool
 def test_envpool_recipe_on_another_host_uses_that_hosts_cores():
     from tests import netns
     from tests.test_remote import FAST as REMOTE_FAST
