@@ -381,3 +381,46 @@ def test_envpool_recipe_on_another_host_uses_that_hosts_cores():
             for t in range(100):
                 actions = np.full(8, t % 2)
                 np.testing.assert_array_equal(envs.step(actions)[0], one.step(actions)[0])
+
+
+# -- a unit's infos, packed whole -----------------------------------------------------------------
+def _masked(*rows: int) -> np.ndarray:
+    return np.array([i in rows for i in range(6)])
+
+
+UNIT_INFOS = {
+    "EnvPool's (no masks, nested)": {
+        "env_id": np.arange(6, dtype=np.int32),
+        "players": {"env_id": np.arange(6, dtype=np.int32)},
+        "elapsed_step": np.zeros(6, dtype=np.int32),
+    },
+    "masks, a key first seen late": {
+        "late": np.arange(6.0),
+        "_late": _masked(3, 4),
+        "early": np.arange(6, dtype=np.int64),
+        "_early": _masked(0, 5),
+    },
+    "nested masks inside a mask": {
+        "outer": {"x": np.ones((6, 2), dtype=np.float32), "_x": _masked(1, 2, 3)},
+        "_outer": _masked(2, 3, 4),
+    },
+    "no env has an info": {"x": np.zeros(6), "_x": _masked()},
+    "objects and booleans (records)": {"name": np.array(["a"] * 6, dtype=object), "ok": np.ones(6, dtype=bool)},
+    "a list per env (SuperSuit's)": [{"a": 1}, {}, {"a": 2, "b": "x"}, {}, {}, {}],
+}
+
+
+@pytest.mark.parametrize("infos", UNIT_INFOS.values(), ids=UNIT_INFOS.keys())
+def test_a_units_infos_pack_to_what_their_per_env_records_pack_to(infos):
+    from clusterenv.wire.infos import BatchedInfoLog, pack_infos, split_infos
+
+    log = BatchedInfoLog()
+    log.add(0, 6, infos)
+    records = [(i, info) for i, info in enumerate(split_infos(infos, 6)) if info]
+    assert_same(list(log), records)
+    assert bool(log) == bool(records)
+    # Gymnasium infos of numbers pack array by array; anything else packs from its records.
+    packs_whole = isinstance(infos, dict) and "ok" not in infos
+    assert (log.columns(6) is not None) == packs_whole
+    assert_same(pack_infos(log, 6), pack_infos(records, 6))
+    assert_same(pack_infos(log, 6, min_envs=1), pack_infos(records, 6, min_envs=1))

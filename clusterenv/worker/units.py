@@ -28,13 +28,13 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv, VectorEnv
 from gymnasium.vector.utils import batch_space, create_empty_array, iterate
 
 from clusterenv.wire import shared_memory
-from clusterenv.wire.infos import InfoRecord
+from clusterenv.wire.infos import BatchedInfoLog
 from clusterenv.wire.leaves import is_array_tree, leaf_arrays, leaf_specs, unflatten
 from clusterenv.worker.failures import EnvTracker
 from clusterenv.worker.recording_env import RecordingVectorEnv, build_from, make_envs
 from clusterenv.worker.step_clock import StepClock
 
-__all__ = ["UnitsVectorEnv", "build_worker_envs", "split_infos", "unit_autoreset_mode", "unit_spaces"]
+__all__ = ["UnitsVectorEnv", "build_worker_envs", "unit_autoreset_mode", "unit_spaces"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,34 +59,6 @@ def unit_autoreset_mode(unit: VectorEnv) -> AutoresetMode:
     """The unit's ``metadata["autoreset_mode"]``; Gymnasium reads a missing one as ``NEXT_STEP``, and so do we."""
     mode = (getattr(unit, "metadata", None) or {}).get("autoreset_mode", AutoresetMode.NEXT_STEP)
     return mode if isinstance(mode, AutoresetMode) else AutoresetMode(mode)
-
-
-def split_infos(infos: Any, num_envs: int) -> list[dict[str, Any]]:
-    """A unit's batched infos, one dict per env.
-
-    Gymnasium's dict of arrays is split as ``DictInfoToList`` splits it: a key's value goes to
-    the envs its ``_key`` mask marks, or to every env without a mask (EnvPool's infos have
-    none); nested dicts are split the same way. A list or tuple of dicts (SuperSuit's and
-    Stable-Baselines3's form) is already one dict per env.
-    """
-    if isinstance(infos, (list, tuple)):
-        if len(infos) != num_envs:
-            raise ValueError(f"A unit of {num_envs} envs returned infos for {len(infos)} envs.")
-        return [dict(info) for info in infos]
-    if not isinstance(infos, Mapping):
-        raise TypeError(f"A unit's infos must be a dict (or a list of dicts), got {type(infos).__name__}.")
-    per_env: list[dict[str, Any]] = [{} for _ in range(num_envs)]
-    for key, value in infos.items():
-        if isinstance(key, str) and key.startswith("_"):
-            continue
-        mask = infos.get(f"_{key}")
-        values = split_infos(value, num_envs) if isinstance(value, Mapping) else value
-        if len(values) != num_envs:
-            raise ValueError(f"A unit of {num_envs} envs returned info {key!r} with {len(values)} values.")
-        for i in range(num_envs):
-            if mask is None or mask[i]:
-                per_env[i][key] = values[i]
-    return per_env
 
 
 class UnitsVectorEnv(VectorEnv):
@@ -124,7 +96,7 @@ class UnitsVectorEnv(VectorEnv):
         self.autoreset_mode = unit_autoreset_mode(units[0])
         self.metadata = {**(getattr(units[0], "metadata", None) or {}), "autoreset_mode": self.autoreset_mode}
         self.render_mode = getattr(units[0], "render_mode", None)
-        self.info_log: list[InfoRecord] = []
+        self._info_log = BatchedInfoLog()
         self._observations: Any = create_empty_array(self.single_observation_space, self.num_envs)
         self._rewards = np.zeros(self.num_envs, dtype=np.float64)
         self._terminations = np.zeros(self.num_envs, dtype=np.bool_)
@@ -132,6 +104,16 @@ class UnitsVectorEnv(VectorEnv):
         self._autoreset = np.zeros(self.num_envs, dtype=np.bool_)  # under NEXT_STEP: the next step resets
         self._fresh = np.zeros(len(units), dtype=np.bool_)  # a replacement's units: the next step is a reset
         self._obs_specs = leaf_specs(self.single_observation_space)
+
+    @property
+    def info_log(self) -> BatchedInfoLog:
+        """The infos since the handlers last took them, as the units batched them (read as per-env records)."""
+        return self._info_log
+
+    @info_log.setter
+    def info_log(self, value: Any) -> None:
+        # The handlers take the log and leave an empty list: a fresh log takes its place.
+        self._info_log = BatchedInfoLog()
 
     @property
     def step_clock(self) -> StepClock:
@@ -185,9 +167,12 @@ class UnitsVectorEnv(VectorEnv):
                     f"{dtype}."
                 )
             out[start : start + size] = got
-        for i, info in enumerate(split_infos(infos, size)):
-            if info:
-                self.info_log.append((start + i, info))
+        if not isinstance(infos, (Mapping, list, tuple)):
+            raise TypeError(
+                f"`env_fns[{self.entries[u]}]` made a vector env whose {what} returned infos of type "
+                f"{type(infos).__name__}; expected a dict (Gymnasium's form) or a list of per-env dicts."
+            )
+        self._info_log.add(start, size, infos)
 
     def reset(
         self, *, seed: int | list[int | None] | None = None, options: dict[str, Any] | None = None
