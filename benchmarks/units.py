@@ -156,11 +156,15 @@ def main(args: Args) -> None:
             for name, make in order if r % 2 == 0 else order[::-1]:
                 runs[name].append(run_once(make, steps))
                 print(f"{cell} {name} run {r}: {runs[name][-1]}", flush=True)
-        medians = {
-            name: {key: statistics.median(run[key] for run in rs) for key in rs[0]} for name, rs in runs.items()
-        }
+        medians = {name: {key: statistics.median(run[key] for run in rs) for key in rs[0]} for name, rs in runs.items()}
         ratio = medians["clusterenv"]["env_steps_per_s"] / medians["baseline"]["env_steps_per_s"]
-        results["cells"][cell] = {"baseline": baseline_name, "steps": steps, "runs": runs, "medians": medians, "ratio": ratio}
+        results["cells"][cell] = {
+            "baseline": baseline_name,
+            "steps": steps,
+            "runs": runs,
+            "medians": medians,
+            "ratio": ratio,
+        }
     if not args.quick:
         RESULTS_DIR.mkdir(exist_ok=True)
         (RESULTS_DIR / "units.json").write_text(json.dumps(results, indent=1))

@@ -140,9 +140,7 @@ def _make_units(
     shares, start = [], 0
     for w in range(num_workers):
         size = num_envs // num_workers + (w < num_envs % num_workers)
-        shares.append(
-            EnvPoolShare(task_id, size, seed + start, num_threads, num_workers if local else 1, dict(kwargs))
-        )
+        shares.append(EnvPoolShare(task_id, size, seed + start, num_threads, num_workers if local else 1, dict(kwargs)))
         start += size
     return ClusterEnv(shares, **vector_kwargs)
 

@@ -41,7 +41,9 @@ def env_fns(parallel_env_fn: Callable[[], Any], num_envs: int) -> list[PettingZo
         num_envs: copies of the game.
     """
     if not callable(parallel_env_fn):
-        raise TypeError(f"`parallel_env_fn` must be a callable that makes the game, got {type(parallel_env_fn).__name__}.")
+        raise TypeError(
+            f"`parallel_env_fn` must be a callable that makes the game, got {type(parallel_env_fn).__name__}."
+        )
     if isinstance(num_envs, bool) or not isinstance(num_envs, int) or num_envs < 1:
         raise ValueError(f"`num_envs` (copies of the game) must be a positive int, got {num_envs!r}.")
     return [PettingZooCopy(parallel_env_fn, i) for i in range(num_envs)]

@@ -56,8 +56,8 @@ class EnvPoolShare:
             return self.num_threads
         return max(1, host_cores() // self.workers_per_host)
 
-    def __call__(self) -> VectorEnv:
-        """Make the EnvPool (Gymnasium's API, ``NEXT_STEP`` autoreset)."""
+    def __call__(self) -> Any:
+        """Make the EnvPool: a ``gymnasium.vector.VectorEnv`` (``NEXT_STEP`` autoreset), untyped in EnvPool."""
         import envpool
 
         threads = min(self.threads(), self.num_envs)
@@ -110,7 +110,7 @@ class _SuperSuitCopy(VectorWrapper):
         self.single_observation_space = env.observation_space
         self.single_action_space = env.action_space
 
-    def reset(self, *, seed: int | list[int] | None = None, options: dict[str, Any] | None = None) -> Any:
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:
         """Reset the game; the slot seed ``s + index * agents`` becomes SuperSuit's ``s + index``."""
         if isinstance(seed, int):
             seed = seed - self.index * self.num_envs + self.index

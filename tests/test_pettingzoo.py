@@ -22,8 +22,9 @@ from tests.conftest import assert_same
 pettingzoo = pytest.importorskip("pettingzoo")
 pytest.importorskip("supersuit")
 
-import clusterenv.pettingzoo  # noqa: E402  (after the skips: it needs neither, but the tests do)
 from supersuit import black_death_v3, concat_vec_envs_v1, pettingzoo_env_to_vec_env_v1  # noqa: E402
+
+import clusterenv.pettingzoo  # noqa: E402  (after the skips: it needs neither, but the tests do)
 
 # (No `supersuit` module at module level: its __getattr__ raises ImportError for any other name,
 # which breaks pytest's collection.)
@@ -58,9 +59,7 @@ def batched(per_env_infos: list[dict[str, Any]]) -> dict[str, Any]:
 def test_copies_of_a_game_equal_supersuits_concat_vec_envs(game):
     # Past a game's end (pistonball's games last 125 steps): copies reset within the step.
     copies, steps = 3, 130 if game is pistonball else 400
-    reference = concat_vec_envs_v1(
-        pettingzoo_env_to_vec_env_v1(game()), copies, num_cpus=0, base_class="gymnasium"
-    )
+    reference = concat_vec_envs_v1(pettingzoo_env_to_vec_env_v1(game()), copies, num_cpus=0, base_class="gymnasium")
     with clusterenv.pettingzoo.make_vec(game, copies, num_workers=2) as envs, closing(reference):
         agents = reference.num_envs // copies
         assert envs.num_envs == copies * agents
@@ -68,7 +67,10 @@ def test_copies_of_a_game_equal_supersuits_concat_vec_envs(game):
         assert envs.single_observation_space == reference.observation_space
         assert envs.single_action_space == reference.action_space
         # 2 copies on worker 0, 1 on worker 1: whole games per worker.
-        assert [w["units"] for w in envs.worker_info] == [[(0, agents - 1), (agents, 2 * agents - 1)], [(2 * agents, 3 * agents - 1)]]
+        assert [w["units"] for w in envs.worker_info] == [
+            [(0, agents - 1), (agents, 2 * agents - 1)],
+            [(2 * agents, 3 * agents - 1)],
+        ]
         obs, infos = reference.reset(seed=42)
         assert_same(envs.reset(seed=42), (obs, batched(infos)))
         reference.action_space.seed(0)
@@ -76,7 +78,13 @@ def test_copies_of_a_game_equal_supersuits_concat_vec_envs(game):
         for _ in range(steps):
             actions = np.stack([reference.action_space.sample() for _ in range(reference.num_envs)])
             obs, rewards, terminations, truncations, infos = reference.step(actions)
-            expected = (obs, rewards.astype(np.float64), terminations.astype(bool), truncations.astype(bool), batched(infos))
+            expected = (
+                obs,
+                rewards.astype(np.float64),
+                terminations.astype(bool),
+                truncations.astype(bool),
+                batched(infos),
+            )
             assert_same(envs.step(actions), expected)
             ended += int("terminal_observation" in expected[4])
         assert ended >= 1, "a game must end, to test the reset within the step"
@@ -95,7 +103,9 @@ def test_copy_i_is_seeded_seed_plus_i_as_supersuit_seeds_it():
 def test_bad_arguments_are_refused_before_any_worker_starts():
     with pytest.raises(ValueError, match=r"`num_envs` \(copies of the game\) must be a positive int, got 0"):
         clusterenv.pettingzoo.make_vec(pistonball, 0)
-    with pytest.raises(TypeError, match=r"`parallel_env_fn` must be a callable that makes the game, got aec_to_parallel_wrapper"):
+    with pytest.raises(
+        TypeError, match=r"`parallel_env_fn` must be a callable that makes the game, got aec_to_parallel_wrapper"
+    ):
         clusterenv.pettingzoo.make_vec(pistonball(), 2)
 
 

@@ -199,7 +199,11 @@ def test_envpool_pong_units_equal_the_same_envpools_concatenated():
 
 
 def test_single_envs_and_units_mix_when_their_autoreset_modes_agree():
-    fns = [functools.partial(gym.make, "CartPole-v1"), functools.partial(cartpoles, 3), functools.partial(gym.make, "CartPole-v1")]
+    fns = [
+        functools.partial(gym.make, "CartPole-v1"),
+        functools.partial(cartpoles, 3),
+        functools.partial(gym.make, "CartPole-v1"),
+    ]
     with ClusterEnv(fns, num_workers=2) as candidate, closing(cartpoles(5)) as flat:
         assert [w["units"] for w in candidate.worker_info] == [[(0, 0), (1, 3)], [(4, 4)]]
         run_lockstep(flat, candidate, 100, seed=3, mode=AutoresetMode.NEXT_STEP)
@@ -212,7 +216,10 @@ def test_units_with_different_autoreset_modes_are_refused_naming_the_entries():
         ClusterEnv(fns, num_workers=2)
     with pytest.raises(ValueError, match=r"`autoreset_mode` is SameStep, but the vector envs of entries 0, 1"):
         ClusterEnv([functools.partial(cartpoles, 2)] * 2, num_workers=1, autoreset_mode="SameStep")
-    single_and_unit = [functools.partial(gym.make, "CartPole-v1"), functools.partial(cartpoles, 2, AutoresetMode.SAME_STEP)]
+    single_and_unit = [
+        functools.partial(gym.make, "CartPole-v1"),
+        functools.partial(cartpoles, 2, AutoresetMode.SAME_STEP),
+    ]
     with pytest.raises(ValueError, match=r"single envs of entries 0 autoreset in NextStep.*autoreset_mode='SameStep'"):
         ClusterEnv(single_and_unit, num_workers=1)
 
@@ -303,6 +310,21 @@ def test_a_lost_worker_rebuilds_its_units_whole_and_flags_their_envs_cut_once():
         assert np.all(np.abs(obs[2:]) <= 0.05)  # CartPole's first observations
 
 
+def test_a_rehomed_worker_takes_its_units_whole_to_a_survivor():
+    fns = [functools.partial(cartpoles, 2), functools.partial(cartpoles, 3)]
+    with ClusterEnv(fns, num_workers=2, on_worker_failure="rehome", heartbeat=FAST) as envs:
+        envs.reset(seed=1)
+        old = envs.worker_info[1]["pid"]
+        os.kill(old, signal.SIGKILL)
+        assert wait_until(lambda: not pid_alive(old), timeout=5)
+        obs, rewards, terminations, truncations, infos = envs.step(np.zeros(5, dtype=np.int64))
+        assert infos["worker_restarted"].tolist() == [False, False, True, True, True]
+        survivor = next(w for w in envs.worker_info if w["state"] == "active")
+        assert survivor["units"] == [(0, 1), (2, 4)] and survivor["env_ids"] == [0, 1, 2, 3, 4]
+        obs, rewards, *_, infos = envs.step(np.zeros(5, dtype=np.int64))
+        assert "worker_restarted" not in infos and rewards.tolist() == [1.0, 1.0, 0.0, 0.0, 0.0]
+
+
 def test_policy_runner_acts_on_units_as_on_the_same_single_envs():
     torch = pytest.importorskip("torch")
     from clusterenv import PolicyRunner
@@ -373,7 +395,10 @@ def test_envpool_recipe_on_another_host_uses_that_hosts_cores():
             "launcher": "external",
             "heartbeat": REMOTE_FAST,
         }
-        with clusterenv_make_vec("CartPole-v1", 8, vector_kwargs, seed=5) as envs, closing(envpool_cartpoles(8, 5)) as one:
+        with (
+            clusterenv_make_vec("CartPole-v1", 8, vector_kwargs, seed=5) as envs,
+            closing(envpool_cartpoles(8, 5)) as one,
+        ):
             assert [w["host"] for w in envs.worker_info] == [host.hostname] * 2
             # One worker per host: each EnvPool takes every core of its host (at most one thread per env).
             assert envs.apply(lambda pool: pool.config["num_threads"]) == (min(host_cores(), 4),) * 8

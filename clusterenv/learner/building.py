@@ -167,7 +167,7 @@ def _units_autoreset_mode(
             + "; ".join(f"{m} for entries {_names(entries)}" for m, entries in declared.items())
             + "."
         )
-    (mode_value, entries), = declared.items()
+    ((mode_value, entries),) = declared.items()
     mode = AutoresetMode(mode_value)
     if asked is not None and asked is not mode:
         raise ValueError(
@@ -214,6 +214,8 @@ def _place(
     if not moved:
         return
     for w in moved:
-        pool.members.keep_init(w, EnvsMeta(**{**metas[w], "env_offset": slices[w].start}), [context, *pickled_fns[entry_slices[w]]])
+        pool.members.keep_init(
+            w, EnvsMeta(**{**metas[w], "env_offset": slices[w].start}), [context, *pickled_fns[entry_slices[w]]]
+        )
     pool.send_each(Kind.PLACE, {w: (PlaceMeta(env_offset=slices[w].start), (), ()) for w in moved}, OnLoss.REPLAY)
     pool.gather(moved, "placing envs", timeout)

@@ -16,7 +16,7 @@ import cloudpickle
 import gymnasium
 import numpy as np
 from gymnasium import Env, spaces
-from gymnasium.vector import AutoresetMode
+from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import iterate
 
 from clusterenv.wire.contract import per_env_seeds
@@ -156,7 +156,7 @@ def check_procs_per_worker(procs_per_worker: Any) -> int:
     return int(procs_per_worker)
 
 
-def check_env_fns(env_fns: Sequence[Callable[[], Env]]) -> None:
+def check_env_fns(env_fns: Sequence[Callable[[], Env | VectorEnv]]) -> None:
     """A non-empty sequence of callables, as ``AsyncVectorEnv`` takes."""
     if isinstance(env_fns, (str, bytes)) or not isinstance(env_fns, Sequence):
         raise TypeError(f"`env_fns` must be a sequence of callables, got {type(env_fns).__name__}.")
@@ -167,7 +167,7 @@ def check_env_fns(env_fns: Sequence[Callable[[], Env]]) -> None:
             raise TypeError(f"`env_fns[{i}]` must be a zero-argument callable, got {type(fn).__name__}.")
 
 
-def pickle_env_fn(index: int, fn: Callable[[], Env]) -> bytes:
+def pickle_env_fn(index: int, fn: Callable[[], Env | VectorEnv]) -> bytes:
     """The cloudpickled factory, or an error naming the factory that cannot travel and why."""
     try:
         return cloudpickle.dumps(fn)
@@ -187,7 +187,7 @@ def pickle_argument(value: Any, what: str) -> bytes:
 
 
 def check_batch_size(batch_size: Any, sizes: Sequence[int]) -> int:
-    """``batch_size`` for first-ready ``recv()``: whole workers' slices (``sizes`` envs each), so equal ones, and a multiple."""
+    """``batch_size`` for first-ready ``recv()``: whole workers' slices (``sizes``), so equal ones, and a multiple."""
     num_envs, num_workers = sum(sizes), len(sizes)
     if batch_size is None:
         return num_envs

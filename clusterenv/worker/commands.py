@@ -18,7 +18,16 @@ from gymnasium.vector import AutoresetMode
 
 from clusterenv.wire.infos import pack_infos
 from clusterenv.wire.leaves import batch_of_items, is_array_tree, leaf_arrays, unflatten
-from clusterenv.wire.messages import CallMeta, InitMeta, PlaceMeta, ResetMeta, ResultMeta, ShareObsMeta, ValueMeta, meta_of
+from clusterenv.wire.messages import (
+    CallMeta,
+    InitMeta,
+    PlaceMeta,
+    ResetMeta,
+    ResultMeta,
+    ShareObsMeta,
+    ValueMeta,
+    meta_of,
+)
 from clusterenv.wire.protocol import Kind, Message
 from clusterenv.wire.transport import Channel
 from clusterenv.worker.env_processes import ProcVectorEnv

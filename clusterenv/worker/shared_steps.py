@@ -54,7 +54,11 @@ class _SharedStepper:
             return Message(Kind.VALUE, ValueMeta(attached=False))
         # One process stepping exactly the rows named: env processes (procs_per_worker > 1) and
         # re-homed workers keep the message path.
-        if not isinstance(envs, (RecordingVectorEnv, UnitsVectorEnv)) or worker.tag or meta["stop"] - meta["start"] != envs.num_envs:
+        if (
+            not isinstance(envs, (RecordingVectorEnv, UnitsVectorEnv))
+            or worker.tag
+            or meta["stop"] - meta["start"] != envs.num_envs
+        ):
             os.close(fd)
             return Message(Kind.VALUE, ValueMeta(attached=False))
         try:
