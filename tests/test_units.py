@@ -12,6 +12,7 @@ import functools
 import importlib
 import importlib.util
 import os
+import re
 import signal
 from contextlib import closing
 from typing import Any
@@ -187,7 +188,6 @@ def test_envpool_units_seeded_s_plus_k_equal_one_envpool():
 
 @needs_envpool
 def test_envpool_pong_units_equal_the_same_envpools_concatenated():
-    pytest.importorskip("ale_py")
     fns = [functools.partial(envpool_make, "Pong-v5", env_type="gymnasium", num_envs=2, seed=s) for s in (0, 2)]
     with ClusterEnv(fns, num_workers=2) as candidate, closing(Concatenated([fn() for fn in fns])) as reference:
         assert candidate.observation_space.shape == (4, 4, 84, 84)
@@ -254,9 +254,30 @@ def test_a_unit_whose_outputs_disagree_with_its_spaces_is_refused():
             "`env_fns[0]` made a vector env whose reset returned observations of shape (2, 4) and dtype float32, "
             "but its single observation space Box(-1.0, 1.0, (3,), float32) and num_envs=2 expect shape (2, 3)"
         )
-        with pytest.raises(ValueError, match=__import__("re").escape(expected)) as raised:
+        with pytest.raises(ValueError, match=re.escape(expected)) as raised:
             envs.reset()
         assert isinstance(raised.value, RemoteEnvError)
+
+
+class ShortRewardsUnit(MislabelledUnit):
+    """Observations that fit its spaces, but one reward for its two envs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.single_observation_space = self.observation_space = spaces.Box(-1.0, 1.0, (4,), np.float32)
+
+    def step(self, actions: Any) -> tuple[Any, ...]:
+        return np.zeros((2, 4), dtype=np.float32), np.zeros(1), np.zeros(2, bool), np.zeros(2, bool), {}
+
+
+def test_a_unit_whose_step_returns_too_few_rewards_is_refused():
+    with ClusterEnv([ShortRewardsUnit], num_workers=1) as envs:
+        envs.reset()
+        expected = (
+            "`env_fns[0]` made a vector env of num_envs=2 whose step returned rewards of shape (1,), expected (2,)."
+        )
+        with pytest.raises(ValueError, match=re.escape(expected)):
+            envs.step(np.zeros(2, dtype=np.int64))
 
 
 def test_per_env_seeds_must_count_up_within_a_unit():

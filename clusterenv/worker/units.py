@@ -141,6 +141,16 @@ class UnitsVectorEnv(VectorEnv):
                     continue
                 mine = unflatten(self.single_action_space, [leaf[start:stop] for leaf in action_leaves])
                 obs, rewards, terminations, truncations, infos = unit.step(mine)
+                for name, values in (
+                    ("rewards", rewards),
+                    ("terminations", terminations),
+                    ("truncations", truncations),
+                ):
+                    if np.shape(values) != (self.sizes[u],):
+                        raise ValueError(
+                            f"`env_fns[{self.entries[u]}]` made a vector env of num_envs={self.sizes[u]} whose step "
+                            f"returned {name} of shape {np.shape(values)}, expected ({self.sizes[u]},)."
+                        )
                 self._place(u, obs, infos, "step")
                 self._rewards[start:stop] = rewards
                 self._terminations[start:stop] = terminations
