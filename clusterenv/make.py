@@ -11,7 +11,9 @@ import gymnasium as gym
 from gymnasium import Env, VectorizeMode, Wrapper, error
 from gymnasium.envs.registration import EnvSpec
 
+from clusterenv.launch.launchers import LocalLauncher
 from clusterenv.learner.vector_env import ClusterEnv
+from clusterenv.unit_factories import EnvPoolShare
 
 __all__ = ["make_vec"]
 
@@ -53,6 +55,13 @@ def make_vec(
       whose trajectories differ. Note that ``gymnasium.make_vec(id, n)`` without a mode
       picks it when the env has one.
 
+    ``vector_kwargs={"units": "envpool"}`` makes EnvPool's task ``id`` instead: each worker builds
+    one EnvPool of its share of the ``num_envs`` envs (a unit, docs/guides/units.md), with as many
+    threads as its host has cores (divided among the workers this learner starts on its own
+    host); ``kwargs`` then go to ``envpool.make`` (``seed``, default 0: env ``i`` is seeded
+    ``seed + i``, as in one EnvPool; ``num_threads`` to choose the threads), and
+    ``num_workers`` defaults to 1.
+
     Examples:
         >>> import clusterenv
         >>> envs = clusterenv.make_vec("CartPole-v1", num_envs=4, vector_kwargs={"num_workers": 2})
@@ -60,6 +69,8 @@ def make_vec(
         ClusterEnv(CartPole-v1, num_envs=4, num_workers=2)
         >>> envs.close()
     """
+    if vector_kwargs is not None and "units" in vector_kwargs:
+        return _make_units(id, num_envs, dict(vector_kwargs), wrappers, kwargs)
     if isinstance(id, EnvSpec):
         env_spec = id
     elif isinstance(id, str):
@@ -104,6 +115,34 @@ def make_vec(
         spec.kwargs["wrappers"] = wrappers
     envs.unwrapped.spec = spec
     return envs
+
+
+def _make_units(
+    task_id: Any, num_envs: Any, vector_kwargs: dict[str, Any], wrappers: Any, kwargs: dict[str, Any]
+) -> ClusterEnv:
+    """``make_vec`` with ``vector_kwargs["units"]``: one unit per worker, made on its host."""
+    units = vector_kwargs.pop("units")
+    if units != "envpool":
+        raise ValueError(f"`vector_kwargs['units']` must be 'envpool', got {units!r}.")
+    if not isinstance(task_id, str):
+        raise TypeError(f"With units='envpool', `id` must be an EnvPool task id (a str), got {type(task_id).__name__}.")
+    if wrappers:
+        raise ValueError("With units='envpool', `wrappers` cannot be applied: EnvPool's envs are not Gymnasium envs.")
+    if isinstance(num_envs, bool) or not isinstance(num_envs, int) or num_envs < 1:
+        raise ValueError(f"`num_envs` must be a positive int, got {num_envs!r}.")
+    vector_kwargs = _cluster_kwargs(vector_kwargs)
+    num_workers = vector_kwargs.setdefault("num_workers", 1)
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or not 1 <= num_workers <= num_envs:
+        raise ValueError(f"`num_workers` must be an int between 1 and num_envs={num_envs}, got {num_workers!r}.")
+    launcher = vector_kwargs.get("launcher")
+    local = launcher is None or launcher == "local" or isinstance(launcher, LocalLauncher)
+    seed, num_threads = kwargs.pop("seed", 0), kwargs.pop("num_threads", None)
+    shares, start = [], 0
+    for w in range(num_workers):
+        size = num_envs // num_workers + (w < num_envs % num_workers)
+        shares.append(EnvPoolShare(task_id, size, seed + start, num_threads, num_workers if local else 1, dict(kwargs)))
+        start += size
+    return ClusterEnv(shares, **vector_kwargs)
 
 
 def _check_mode(env_id: str, mode: Any) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
-from gymnasium.vector import AutoresetMode
+from gymnasium.vector import AutoresetMode, VectorEnv
 from stable_baselines3.common.env_util import is_wrapped
 from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices, VecEnvObs, VecEnvStepReturn
 from stable_baselines3.common.vec_env.patch_gym import _patch_env
@@ -49,7 +49,10 @@ class ClusterVecEnv(VecEnv):
     """A Stable-Baselines3 ``VecEnv`` over a :class:`~clusterenv.ClusterEnv`: ``SubprocVecEnv`` with clusterenv workers.
 
     Args:
-        env_fns: zero-argument callables creating the environments, as for ``SubprocVecEnv``.
+        env_fns: zero-argument callables creating the environments, as for ``SubprocVecEnv``; or
+            vector envs in ``SAME_STEP`` autoreset mode (units, docs/guides/units.md), such as
+            SuperSuit's copies of a PettingZoo game: their per-env infos at an episode's end
+            (``"terminal_observation"``) are passed on as they are, as SuperSuit's SB3 wrapper does.
         start_method: ``SubprocVecEnv``'s multiprocessing start method: checked the same
             way, then unused (clusterenv starts its own workers; see ``launcher``).
         **cluster_kwargs: :class:`~clusterenv.ClusterEnv`'s arguments (``num_workers``,
@@ -82,7 +85,9 @@ class ClusterVecEnv(VecEnv):
         )
         try:
             super().__init__(
-                len(env_fns), self.cluster_env.single_observation_space, self.cluster_env.single_action_space
+                self.cluster_env.num_envs,
+                self.cluster_env.single_observation_space,
+                self.cluster_env.single_action_space,
             )
         except BaseException:
             self.cluster_env.close(terminate=True)
@@ -117,6 +122,11 @@ class ClusterVecEnv(VecEnv):
         dones = np.logical_or(terminations, truncations)
         infos = []
         for i, info in enumerate(_per_env(batched_infos, self.num_envs)):
+            if dones[i] and _FINAL_OBS not in info:
+                # A unit that resets its own envs (SuperSuit's copies of a game) and reports SB3's own
+                # infos ("terminal_observation"): passed on as they are, as SuperSuit's SB3 wrapper does.
+                infos.append(info)
+                continue
             if dones[i]:
                 final_obs, step_info = info.pop(_FINAL_OBS), info.pop(_FINAL_INFO)
                 self.reset_infos[i] = info  # what is left is the reset's info
@@ -181,8 +191,11 @@ class _Patched:
     def __init__(self, env_fn: Callable[[], Any]) -> None:
         self.env_fn = env_fn
 
-    def __call__(self) -> gym.Env:
-        return _SB3Reset(_patch_env(self.env_fn()))
+    def __call__(self) -> gym.Env | VectorEnv:
+        env = self.env_fn()
+        if isinstance(env, VectorEnv):  # a unit (docs/guides/units.md): it resets its own envs
+            return env
+        return _SB3Reset(_patch_env(env))
 
 
 class _SB3Reset(Layer):

@@ -19,9 +19,9 @@ import clusterenv
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 BLOCK = re.compile(r"(?P<marker><!-- not run: [^>]+ -->\n)?```python\n(?P<code>.*?)```", re.DOTALL)
-PUBLIC_MODULES = {"clusterenv", "clusterenv.sb3"}
-# Libraries of the integration pages, installed by the `peers` extra: a page that imports one skips without it.
-OPTIONAL = ("stable_baselines3", "skrl", "torchrl")
+PUBLIC_MODULES = {"clusterenv", "clusterenv.sb3", "clusterenv.pettingzoo"}
+# Libraries of the integration pages (the `peers` and `test` extras): a page that imports one skips without it.
+OPTIONAL = ("stable_baselines3", "skrl", "torchrl", "pettingzoo", "supersuit", "envpool")
 
 
 def blocks(page: Path) -> list[tuple[str, bool]]:
@@ -65,7 +65,7 @@ def test_the_docs_use_only_public_names(page):
                     missing = [a.name for a in node.names if a.name not in clusterenv.__all__]
                     assert not missing, f"{page_id(page)} imports unexported {missing}"
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "clusterenv":
-                assert node.attr in clusterenv.__all__ or node.attr == "sb3", (
+                assert node.attr in clusterenv.__all__ or node.attr in ("sb3", "pettingzoo"), (
                     f"{page_id(page)} uses clusterenv.{node.attr}, which is not exported"
                 )
 

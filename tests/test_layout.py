@@ -25,7 +25,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     "worker": {"errors", "wire", "policy", "stepping"},
     "launch": {"errors", "wire"},
     "learner": {"errors", "wire", "policy", "launch", "stepping"},
-    "make": {"learner"},
+    "unit_factories": set(),
+    "make": {"launch", "learner", "unit_factories"},
+    "pettingzoo": {"learner", "unit_factories"},
     "sb3": {"errors", "wire", "learner"},
     # The top tier: the benchmark command runs ClusterEnv and PolicyRunner; nothing imports it.
     "bench": {"errors", "wire", "policy", "launch", "learner", "make"},

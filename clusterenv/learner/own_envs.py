@@ -19,10 +19,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from gymnasium.vector import AutoresetMode
+from gymnasium.vector import AutoresetMode, VectorEnv
 
 from clusterenv.stepping.failures import EnvTracker
-from clusterenv.stepping.recording_env import RecordingVectorEnv, build, reset_envs
+from clusterenv.stepping.recording_env import RecordingVectorEnv, build_from, make_envs, reset_envs
 from clusterenv.wire.infos import pack_infos
 from clusterenv.wire.leaves import is_array_tree, leaf_arrays, unflatten
 from clusterenv.wire.protocol import Kind, Message
@@ -51,8 +51,19 @@ class LearnerEnvs:
     ) -> None:
         #: The envs' global indices.
         self.slice = slice(0, len(pickled_fns))
-        self.envs: RecordingVectorEnv = build(
-            list(pickled_fns), observation_mode, autoreset_mode, EnvTracker(), max_env_errors
+        env_fns = [pickle.loads(blob) for blob in pickled_fns]
+        tracker = EnvTracker()
+        made = make_envs(env_fns, tracker)
+        units = [i for i, env in enumerate(made) if isinstance(env, VectorEnv)]
+        if units:
+            for env in made:
+                env.close()
+            raise ValueError(
+                f"`learner_envs` steps single envs in the learner, but entries {units} of `env_fns` make vector "
+                "envs (units): give the learner single envs only, or use `learner_envs=0`."
+            )
+        self.envs: RecordingVectorEnv = build_from(
+            env_fns, made, observation_mode, autoreset_mode, tracker, max_env_errors
         )
         self._array_obs = is_array_tree(self.envs.single_observation_space)
 

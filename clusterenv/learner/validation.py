@@ -16,7 +16,7 @@ import cloudpickle
 import gymnasium
 import numpy as np
 from gymnasium import Env, spaces
-from gymnasium.vector import AutoresetMode
+from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import iterate
 
 from clusterenv.wire.contract import per_env_seeds
@@ -176,7 +176,7 @@ def check_procs_per_worker(procs_per_worker: Any) -> int:
     return int(procs_per_worker)
 
 
-def check_env_fns(env_fns: Sequence[Callable[[], Env]]) -> None:
+def check_env_fns(env_fns: Sequence[Callable[[], Env | VectorEnv]]) -> None:
     """A non-empty sequence of callables, as ``AsyncVectorEnv`` takes."""
     if isinstance(env_fns, (str, bytes)) or not isinstance(env_fns, Sequence):
         raise TypeError(f"`env_fns` must be a sequence of callables, got {type(env_fns).__name__}.")
@@ -187,7 +187,7 @@ def check_env_fns(env_fns: Sequence[Callable[[], Env]]) -> None:
             raise TypeError(f"`env_fns[{i}]` must be a zero-argument callable, got {type(fn).__name__}.")
 
 
-def pickle_env_fn(index: int, fn: Callable[[], Env]) -> bytes:
+def pickle_env_fn(index: int, fn: Callable[[], Env | VectorEnv]) -> bytes:
     """The cloudpickled factory, or an error naming the factory that cannot travel and why."""
     try:
         return cloudpickle.dumps(fn)
@@ -206,8 +206,9 @@ def pickle_argument(value: Any, what: str) -> bytes:
         raise TypeError(f"The {what} cannot be pickled to send to workers: {exc}") from exc
 
 
-def check_batch_size(batch_size: Any, num_envs: int, num_workers: int) -> int:
-    """``batch_size`` for first-ready ``recv()``: whole workers' slices, so equal slices and a multiple of one."""
+def check_batch_size(batch_size: Any, sizes: Sequence[int]) -> int:
+    """``batch_size`` for first-ready ``recv()``: whole workers' slices (``sizes``), so equal ones, and a multiple."""
+    num_envs, num_workers = sum(sizes), len(sizes)
     if batch_size is None:
         return num_envs
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
@@ -221,6 +222,11 @@ def check_batch_size(batch_size: Any, num_envs: int, num_workers: int) -> int:
         raise ValueError(
             f"batch_size={batch_size} < num_envs needs the same number of envs on every worker, so that recv() "
             f"can return whole workers; {num_envs} envs do not split evenly over num_workers={num_workers}."
+        )
+    if len(set(sizes)) > 1:
+        raise ValueError(
+            f"batch_size={batch_size} < num_envs needs the same number of envs on every worker, so that recv() "
+            f"can return whole workers; the vector envs in `env_fns` give the workers {list(sizes)} envs."
         )
     per_worker = num_envs // num_workers
     if batch_size % per_worker:

@@ -89,11 +89,11 @@ class ClusterEnv(VectorEnv):
 
     def __init__(
         self,
-        env_fns: Sequence[Callable[[], Env]],
+        env_fns: Sequence[Callable[[], Env | VectorEnv]],
         *,
         num_workers: int | None = None,
         procs_per_worker: int = 1,
-        autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
+        autoreset_mode: str | AutoresetMode | None = None,
         copy: bool = True,
         observation_mode: str | tuple[spaces.Space, spaces.Space] = "same",
         timeout: float | None = 60.0,
@@ -118,7 +118,10 @@ class ClusterEnv(VectorEnv):
         """Start the workers and build the envs in them.
 
         Args:
-            env_fns: zero-argument callables creating the environments, as for ``AsyncVectorEnv``.
+            env_fns: zero-argument callables creating the environments, as for ``AsyncVectorEnv``. A
+                callable may create a vector env instead (EnvPool, SuperSuit, a ``SyncVectorEnv``): a
+                *unit*, which fills as many slots as it has envs, stepped whole by one worker
+                (docs/guides/units.md). ``num_envs`` and the spaces are then what the units report.
             num_workers: worker processes; defaults to one per available core, at most ``len(env_fns)``.
                 Each worker is one peer of the learner.
             procs_per_worker: env processes per worker. With ``N > 1`` each worker splits its
@@ -126,7 +129,8 @@ class ClusterEnv(VectorEnv):
                 worker per host can use all its cores while the learner talks to one peer per
                 host (its cost grows with hosts, not processes). Results are unchanged. A
                 worker started with ``clusterenv-worker --procs N`` uses its own ``N``.
-            autoreset_mode: Gymnasium's autoreset mode, applied inside the workers.
+            autoreset_mode: Gymnasium's autoreset mode, applied inside the workers (``None``: ``NEXT_STEP``,
+                or with units, the units' own ``metadata["autoreset_mode"]``).
             copy: return fresh observation arrays from ``reset``/``step`` (else a reused buffer).
             observation_mode: ``"same"``, ``"different"``, or ``(observation_space, single_observation_space)``,
                 as for ``SyncVectorEnv``.
@@ -189,14 +193,18 @@ class ClusterEnv(VectorEnv):
         self._holder: str | None = None  # an extension holding the pending call (a prefetching runner)
         self.closed = True  # until the workers are up, close() has nothing to do
         check_env_fns(env_fns)
-        self.num_envs = len(env_fns)
+        self.num_envs = len(env_fns)  # until the workers report how many envs each entry made (units)
         self.learner_envs = own = check_learner_envs(learner_envs, self.num_envs, batch_size)
         if num_workers is None:
             num_workers = default_num_workers(self.num_envs - own, learner_busy=own > 0)
         self.num_workers = num_workers = check_num_workers(num_workers, self.num_envs - own)
         self.procs_per_worker = check_procs_per_worker(procs_per_worker)
         mode = autoreset_mode.value if isinstance(autoreset_mode, AutoresetMode) else autoreset_mode
-        self.autoreset_mode = AutoresetMode(check_choice("autoreset_mode", mode, [m.value for m in AutoresetMode]))
+        asked_mode = (
+            None
+            if mode is None
+            else AutoresetMode(check_choice("autoreset_mode", mode, [m.value for m in AutoresetMode]))
+        )
         observation_mode = check_observation_mode(observation_mode)
         self.copy = copy
         self.shared_memory = check_flag("shared_memory", shared_memory)
@@ -210,9 +218,10 @@ class ClusterEnv(VectorEnv):
         self.heartbeat = Heartbeat() if heartbeat is None else heartbeat
         pickled_fns = [pickle_env_fn(i, fn) for i, fn in enumerate(env_fns)]
 
-        # The workers' envs follow the learner's own.
+        # Of entries, until the envs are built; the workers' follow the learner's own.
         self._slices = [slice(own + sl.start, own + sl.stop) for sl in split_evenly(self.num_envs - own, num_workers)]
-        self._batch_size = check_batch_size(batch_size, self.num_envs, num_workers)
+        self._units = [slice(i, i + 1) for i in range(self.num_envs)]
+        self._batch_size = self.num_envs  # checked once the envs are built: units decide the workers' shares
         self._first_ready = FirstReady(self._slices, self.num_envs)
         self._observation_mode = observation_mode
         self._pending: list[int] = []  # the workers whose replies the pending call waits for
@@ -247,13 +256,14 @@ class ClusterEnv(VectorEnv):
             self._recycler = None if recycle is None else Recycler(recycle, self._pool)
             if own:
                 single = observation_mode[1] if isinstance(observation_mode, tuple) else observation_mode
-                self._own = LearnerEnvs(pickled_fns[:own], single, self.autoreset_mode, self._max_env_errors)
+                own_mode = AutoresetMode.NEXT_STEP if asked_mode is None else asked_mode  # single envs' mode
+                self._own = LearnerEnvs(pickled_fns[:own], single, own_mode, self._max_env_errors)
             self._pool.start()
             built = build_envs(
                 self._pool,
                 self._slices,
                 pickled_fns,
-                autoreset_mode=self.autoreset_mode,
+                autoreset_mode=asked_mode,
                 observation_mode=observation_mode,
                 procs_per_worker=self.procs_per_worker,
                 max_env_errors=self._max_env_errors,
@@ -262,10 +272,11 @@ class ClusterEnv(VectorEnv):
                 timeout=start_timeout,
                 own=self._own,
             )
+            self._place_units(built.slices, built.units, batch_size)
         except BaseException:
             self.close(terminate=True)
             raise
-
+        self.autoreset_mode = built.autoreset_mode
         self.metadata, self.render_mode = built.metadata, built.render_mode
         # As SyncVectorEnv: env 0 refusing a step before reset (gym.make's OrderEnforcing) refuses it before any
         # env steps; envs built without that wrapper are stepped.
@@ -275,6 +286,14 @@ class ClusterEnv(VectorEnv):
         self._buffers = built.buffers
         self._action_specs = leaf_specs(self.single_action_space) if is_array_tree(self.single_action_space) else None
         self._pool.on_restart(weak_callback(self._reset_replacement_in_flight))
+
+    def _place_units(self, slices: list[slice], units: list[slice], batch_size: int | None) -> None:
+        """The envs' slices, once the workers reported how many envs each entry of ``env_fns`` made."""
+        self._slices, self._units = slices, units
+        self.num_envs = slices[-1].stop
+        self._batch_size = check_batch_size(batch_size, [sl.stop - sl.start for sl in slices])
+        self._first_ready = FirstReady(self._slices, self.num_envs)
+        self._pool.members.env_counts[:] = [sl.stop - sl.start for sl in slices]
 
     @property
     def batch_size(self) -> int:
@@ -287,7 +306,7 @@ class ClusterEnv(VectorEnv):
             raise AlreadyPendingCallError(
                 "Cannot change `batch_size` while envs are in flight: recv() them first.", "step"
             )
-        self._batch_size = check_batch_size(value, self.num_envs, self.num_workers)
+        self._batch_size = check_batch_size(value, [sl.stop - sl.start for sl in self._slices])
 
     # -- the seam for extensions (PolicyRunner) ---------------------------------------------
     @property
@@ -899,14 +918,25 @@ class ClusterEnv(VectorEnv):
     def worker_info(self) -> list[dict[str, Any]]:
         """What each worker process does and uses, one dict per process.
 
-        Keys: ``worker_id, host, pid, state, serves, env_ids, lost_because, silent_s, latency_ms,
-        env_step_ms, cpu_s, rss_mb, step_path`` (``"shared memory"`` or ``"messages"``).
+        Keys: ``worker_id, host, pid, state, serves, env_ids, units, lost_because, silent_s, latency_ms,
+        env_step_ms, cpu_s, rss_mb, step_path`` (``"shared memory"`` or ``"messages"``). ``units`` lists the
+        ``(first, last)`` env ids of each entry of ``env_fns`` the process steps: a vector env's, or a single
+        env's (``(i, i)``).
 
         Each field is explained in docs/guides/fault-tolerance.md ("Watching the workers"): where its
         envs are, whether it is alive, how fast it replies, and what CPU and memory it uses.
         """
         return [
-            {**info, "env_ids": [i for w in info["serves"] for i in range(self._slices[w].start, self._slices[w].stop)]}
+            {
+                **info,
+                "env_ids": [i for w in info["serves"] for i in range(self._slices[w].start, self._slices[w].stop)],
+                "units": [
+                    (u.start, u.stop - 1)
+                    for w in info["serves"]
+                    for u in self._units
+                    if self._slices[w].start <= u.start < self._slices[w].stop
+                ],
+            }
             for info in self._pool.worker_info
         ]
 

@@ -21,7 +21,7 @@ import cloudpickle
 import gymnasium
 import numpy as np
 from gymnasium.envs.registration import EnvSpec
-from gymnasium.vector import SyncVectorEnv
+from gymnasium.vector import SyncVectorEnv, VectorEnv
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array
 from gymnasium.wrappers import OrderEnforcing
 
@@ -36,6 +36,7 @@ from clusterenv.wire.leaves import leaf_arrays
 __all__ = [
     "RecordingVectorEnv",
     "build",
+    "build_from",
     "dumps",
     "enforces_order",
     "install_registry",
@@ -276,19 +277,41 @@ def build(
     ``max_env_errors``: under ``on_env_error="reset"``, each env is a :class:`ResettingEnv` allowing that many errors.
     """
     env_fns = [pickle.loads(blob) for blob in env_blobs]
+    return build_from(env_fns, make_envs(env_fns, tracker), observation_mode, autoreset_mode, tracker, max_env_errors)
+
+
+def build_from(
+    env_fns: list[Callable[[], Any]],
+    envs: list[Any],
+    observation_mode: Any,
+    autoreset_mode: Any,
+    tracker: EnvTracker,
+    max_env_errors: int | None = None,
+) -> RecordingVectorEnv:
+    """:func:`build` over envs already made by ``env_fns`` (which a ``ResettingEnv`` calls to rebuild one).
+
+    A vector env among them (a unit, :mod:`clusterenv.worker.units`) is refused here: only a
+    worker stepping its envs in its own process holds units.
+    """
+    for i, env in enumerate(envs):
+        if isinstance(env, VectorEnv):
+            raise TypeError(
+                f"Env factory {i} of this worker made a vector env ({type(env).__name__}); vector envs (units) "
+                "are stepped in the worker's own process: use procs_per_worker=1 (clusterenv-worker without --procs)."
+            )
     if max_env_errors is not None:
-        env_fns = [functools.partial(_resetting, env_fn, max_env_errors) for env_fn in env_fns]
+        envs = [ResettingEnv(env, env_fn, max_env_errors) for env, env_fn in zip(envs, env_fns, strict=True)]
     if isinstance(observation_mode, gymnasium.Space):
-        observation_mode = (batch_space(observation_mode, len(env_fns)), observation_mode)
-    envs = RecordingVectorEnv(
-        [functools.partial(_identity, env) for env in make_envs(env_fns, tracker)],
+        observation_mode = (batch_space(observation_mode, len(envs)), observation_mode)
+    vector = RecordingVectorEnv(
+        [functools.partial(_identity, env) for env in envs],
         copy=False,
         observation_mode=observation_mode,
         autoreset_mode=autoreset_mode,
     )
-    envs.envs = TrackedEnvs(envs.envs, tracker)
-    envs.info_log = []
-    return envs
+    vector.envs = TrackedEnvs(vector.envs, tracker)
+    vector.info_log = []
+    return vector
 
 
 def make_envs(env_fns: list[Callable[[], Any]], tracker: EnvTracker) -> list[Any]:
@@ -314,7 +337,3 @@ def dumps(value: Any) -> bytes:
 
 def _identity(value: Any) -> Any:
     return value
-
-
-def _resetting(env_fn: Callable[[], Any], max_env_errors: int) -> ResettingEnv:
-    return ResettingEnv(env_fn(), env_fn, max_env_errors)

@@ -28,6 +28,7 @@ __all__ = [
     "ErrorMeta",
     "HelloMeta",
     "InitMeta",
+    "PlaceMeta",
     "ProbeMeta",
     "ResetMeta",
     "RolloutAheadMeta",
@@ -59,7 +60,8 @@ class Empty(TypedDict):
 class EnvsMeta(TypedDict):
     """The envs' part of INIT, as the VectorEnv gives it (the pool adds the rest)."""
 
-    env_offset: int  # global index of the worker's first env
+    env_offset: int  # global index of the worker's first env (for a first INIT of units: its first entry's)
+    entry_offset: int  # index in env_fns of the worker's first factory
     autoreset_mode: str
     observation_mode: str  # "same", "different", or "custom" (the space is in the context blob)
     procs_per_worker: int
@@ -73,6 +75,12 @@ class InitMeta(Empty, EnvsMeta):
     heartbeat: dict[str, Any]  # a Heartbeat, as a map
     heartbeat_endpoint: str
     replacement: bool  # a replacement for a lost worker: its envs' episodes were cut short
+
+
+class PlaceMeta(Empty):
+    """PLACE: the global index of the worker's first env, sent once the units' sizes are known."""
+
+    env_offset: int
 
 
 class ResetMeta(Empty):
@@ -268,6 +276,7 @@ _META: dict[Kind, type] = {
     Kind.SHARE_OBS: ShareObsMeta,
     Kind.SHARE_STEP: StepRegionMeta,
     Kind.WAKE_UP: Empty,
+    Kind.PLACE: PlaceMeta,
     Kind.PROBE: ProbeMeta,
     Kind.WELCOME: WelcomeMeta,
     Kind.HELLO: HelloMeta,

@@ -130,6 +130,8 @@ class Kind(IntEnum):
     #: A wake-up on the shared step path (:mod:`clusterenv.wire.step_region`): never framed or sent,
     #: the channel's name for a byte on a wake socket (a command to a worker, a reply to the learner).
     WAKE_UP = 16
+    #: Where a worker's envs sit among the ``ClusterEnv``'s, once the learner knows its units' sizes.
+    PLACE = 17
 
     HELLO = 101
     READY = 102

@@ -19,14 +19,24 @@ import zmq
 from gymnasium.vector import AutoresetMode
 
 from clusterenv.stepping.failures import EnvFailure, EnvTracker, error_reply
-from clusterenv.stepping.recording_env import RecordingVectorEnv, build, dumps, learner_registry, reset_envs
+from clusterenv.stepping.recording_env import RecordingVectorEnv, dumps, learner_registry, reset_envs
 from clusterenv.wire.infos import pack_infos
 from clusterenv.wire.leaves import batch_of_items, is_array_tree, leaf_arrays, unflatten
-from clusterenv.wire.messages import CallMeta, InitMeta, ResetMeta, ResultMeta, ShareObsMeta, ValueMeta, meta_of
+from clusterenv.wire.messages import (
+    CallMeta,
+    InitMeta,
+    PlaceMeta,
+    ResetMeta,
+    ResultMeta,
+    ShareObsMeta,
+    ValueMeta,
+    meta_of,
+)
 from clusterenv.wire.pipes import PipeClosed
 from clusterenv.wire.protocol import Kind, Message
 from clusterenv.wire.transport import Channel
 from clusterenv.worker.env_processes import ChildEnvError, ProcVectorEnv
+from clusterenv.worker.units import UnitsVectorEnv, build_worker_envs
 
 __all__ = ["Mailbox", "Waiter", "Worker"]
 
@@ -140,7 +150,7 @@ class Worker:
         self.worker_id = worker_id
         self.procs = procs  # env processes asked for on the command line (else the learner's procs_per_worker)
         self.env_offset = 0
-        self.envs: RecordingVectorEnv | ProcVectorEnv | None = None
+        self.envs: RecordingVectorEnv | UnitsVectorEnv | ProcVectorEnv | None = None
         self.array_obs = True
         self.tracker = EnvTracker()  # which env the command being handled reached, should one raise
         self.handlers: dict[Kind, Callable[[Message], Message | None]] = {
@@ -150,6 +160,7 @@ class Worker:
             Kind.CALL: self.call,
             Kind.SET_ATTR: self.set_attr,
             Kind.SHARE_OBS: self.share_obs,
+            Kind.PLACE: self.place,
         }
         self.shared_obs = False  # observations are written into the learner's shared batch
         self.never_reset = True  # a fresh (or replacement) worker's envs have no observation yet
@@ -182,14 +193,21 @@ class Worker:
                     registry=context["registry"],
                     max_env_errors=meta["max_env_errors"],
                 )
-            else:
-                self.envs = build(env_blobs, mode, autoreset_mode, self.tracker, meta["max_env_errors"])
+            else:  # single envs, or units (vector envs) among them
+                self.envs = build_worker_envs(
+                    env_blobs, mode, autoreset_mode, self.tracker, meta["max_env_errors"], meta["entry_offset"]
+                )
         if meta["replacement"] and self.envs.autoreset_mode is AutoresetMode.NEXT_STEP:
             # A replacement for a lost worker: its envs' episodes were cut short, so under
             # NEXT_STEP their next step is the autoreset step (see docs/guides/fault-tolerance.md).
             self.envs.mark_autoreset_pending()
         self.array_obs = is_array_tree(self.envs.single_observation_space)
         return Message(Kind.READY, blobs=[cloudpickle.dumps(self.envs.description())])
+
+    def place(self, msg: Message) -> Message:
+        """Learn the global index of this worker's first env (its units' sizes were unknown at INIT)."""
+        self.env_offset = meta_of(msg, PlaceMeta)["env_offset"]
+        return Message(Kind.VALUE)
 
     # -- stepping --------------------------------------------------------------------------
     def _result(self, obs: Any, extra: list[np.ndarray]) -> Message:

@@ -46,6 +46,7 @@ from clusterenv.wire.step_region import (
 from clusterenv.wire.transport import WAKE_UP
 from clusterenv.wire.waiting import SpinBudget, yield_core
 from clusterenv.worker.commands import Worker
+from clusterenv.worker.units import UnitsVectorEnv
 
 __all__ = ["install_step_handlers"]
 
@@ -75,7 +76,11 @@ class _SharedStepper:
             return Message(Kind.VALUE, ValueMeta(attached=False))
         # One process stepping exactly the rows named: env processes (procs_per_worker > 1) and
         # re-homed workers keep the message path.
-        if not isinstance(envs, RecordingVectorEnv) or worker.tag or meta["stop"] - meta["start"] != envs.num_envs:
+        if (
+            not isinstance(envs, (RecordingVectorEnv, UnitsVectorEnv))
+            or worker.tag
+            or meta["stop"] - meta["start"] != envs.num_envs
+        ):
             os.close(fd)
             return Message(Kind.VALUE, ValueMeta(attached=False))
         try:
@@ -184,7 +189,7 @@ class _SharedStepper:
     def _results(self, rows: WorkerRows, counter: int) -> Message | object | None:
         """Step the envs with the rows' actions; ``None``: all in the rows; ``_IN_ROWS``: infos too; else a RESULT."""
         envs = self.worker.envs
-        assert isinstance(envs, RecordingVectorEnv)
+        assert isinstance(envs, (RecordingVectorEnv, UnitsVectorEnv))
         # Copies: env code may write into its action, and the rows are the learner's to write next.
         actions = unflatten(envs.single_action_space, [row.copy() for row in rows.actions])
         _, rewards, terminations, truncations, _ = envs.step(actions)
