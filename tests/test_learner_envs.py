@@ -151,3 +151,20 @@ def torch_policy():
     import torch
 
     return torch.nn.Sequential(torch.nn.Linear(4, 2))
+
+
+def test_the_learner_steps_single_envs_only():
+    """A unit (a vector env) among the learner's entries is refused, naming the entry."""
+    unit = functools.partial(gym.vector.SyncVectorEnv, [CARTPOLE] * 2)
+    with pytest.raises(ValueError, match=r"entries \[1\] of `env_fns` make vector envs"):
+        ClusterEnv([CARTPOLE, unit, CARTPOLE], learner_envs=2, num_workers=1)
+
+
+def test_units_after_the_learners_envs_step_exactly():
+    unit = functools.partial(gym.vector.SyncVectorEnv, [CARTPOLE] * 2)
+    with (
+        ClusterEnv([CARTPOLE, CARTPOLE, unit], learner_envs=2, num_workers=1) as envs,
+        closing(SyncVectorEnv([CARTPOLE] * 4)) as reference,
+    ):
+        assert envs.num_envs == 4 and envs.worker_info[0]["units"] == [(2, 3)]
+        assert run_lockstep(reference, envs, steps=100, seed=2) >= 3
