@@ -66,6 +66,8 @@ class Args:
     """which configurations (names as in the table)"""
     total_timesteps: int = 300_000
     """env steps per run (the example's default)"""
+    name: str = "ppo_wallclock"
+    """the results' file name in results/ (``NAME.md``, ``NAME.json``)"""
 
 
 def run(flags: list[str], seed: int, total_timesteps: int) -> dict[str, float]:
@@ -108,8 +110,8 @@ def main(args: Args) -> None:
     table = "\n".join(lines)
     print(table)
     RESULTS_DIR.mkdir(exist_ok=True)
-    (RESULTS_DIR / "ppo_wallclock.md").write_text(table + "\n")
-    (RESULTS_DIR / "ppo_wallclock.json").write_text(json.dumps(results, indent=1) + "\n")
+    (RESULTS_DIR / f"{args.name}.md").write_text(table + "\n")
+    (RESULTS_DIR / f"{args.name}.json").write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":
