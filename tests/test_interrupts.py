@@ -55,10 +55,10 @@ def interrupt_at(owner: type, method: str, call: int, after: bool) -> Iterator[N
 
 # (where, what is patched): the points of a step, in the order a step reaches them.
 SHARED_POINTS = {
-    "before any command": (SharedSteps, "_command", 1, False),
-    "inside the first command, before its counter": (SharedSteps, "_publish", 1, False),
-    "after the first command": (SharedSteps, "_publish", 1, True),
-    "after every command": (SharedSteps, "_publish", 2, True),
+    "before any command": (SharedSteps, "_write_command", 1, False),
+    "after the first command": (SharedSteps, "_write_command", 1, True),
+    "after every command": (SharedSteps, "_write_command", 2, True),
+    "before any wake-up": (SharedSteps, "_wake_if_waiting", 1, False),
     "one reply taken": (WorkerPool, "_note_reply", 1, True),
     "every reply taken": (WorkerPool, "_note_reply", 2, True),
 }

@@ -73,6 +73,9 @@ LATENCY_WINDOW = 256
 #: what that process needs before the worker's pending command is recovered (see ``FollowUp``).
 RestartHook = Callable[[int], Iterable[FollowUp] | None]
 _SHARED: list[Any] = []  # send_each's mark for a command that goes into the step region, not onto the wire
+# What send_shared() records as each worker's command: a lockstep step, whose loss cuts the episodes; its actions
+# are the batch's, kept once (WorkerPool._shared_actions) for an interrupted send.
+_SHARED_STEP = SentCommand(Kind.STEP, None, (), (), OnLoss.INTERRUPT)
 _R = TypeVar("_R")
 
 
@@ -204,6 +207,7 @@ class WorkerPool:
         # returned: a gather interrupted anywhere (Ctrl-C) leaves both here, and the next one goes on from them.
         # Worker → the channel's count of messages sent to it before its command (None: into the step region).
         self._unsent: dict[int, int | None] = {}
+        self._shared_actions: Sequence[np.ndarray] = ()  # the batch's actions of the last send_shared()
         self._replies: dict[int, Message] = {}
         self._failed: set[int] = set()  # workers found lost, until recovery gives them a new host
         # Replies of the current call that arrived while a gather waited for others (streaming calls).
@@ -378,17 +382,17 @@ class WorkerPool:
                 self._unsent[worker_id] = (
                     None if frames is _SHARED else self._channel.sent[members.identities[worker_id]]
                 )
-        for worker_id, frames in encoded:
+        for (worker_id, frames), (_, arrays, _) in zip(encoded, commands.values(), strict=True):
             if frames is not None:
-                self._deliver(worker_id, frames, kind)
+                self._deliver(worker_id, frames, kind, arrays)
 
-    def _deliver(self, worker_id: int, frames: list[Any], kind: Kind) -> None:
-        """Send one encoded command (``_SHARED``: into the step region); a worker found gone is lost."""
+    def _deliver(self, worker_id: int, frames: list[Any], kind: Kind, arrays: Sequence[np.ndarray]) -> None:
+        """Send one encoded command (``_SHARED``: its ``arrays`` into the step region); a worker found gone is lost."""
         path, members = self.step_path, self.members
         try:
             if frames is _SHARED:
                 assert path is not None
-                path.send(worker_id, self._last_sent[worker_id].arrays, self.seq)
+                path.send(worker_id, arrays, self.seq)
             else:
                 self._channel.send_frames(frames, to=members.identities[worker_id])
                 if path is not None:
@@ -416,7 +420,12 @@ class WorkerPool:
                 self._unsent.pop(worker_id)
                 continue
             sent = self._last_sent[worker_id]
-            self._deliver(worker_id, self._encode(worker_id, sent.kind, sent.meta, sent.arrays, sent.blobs), sent.kind)
+            arrays = sent.arrays
+            if sent is _SHARED_STEP:  # a lockstep step on the shared path: its actions are the batch's
+                assert self.step_path is not None
+                arrays = [leaf[self.step_path.region.slices[worker_id]] for leaf in self._shared_actions]
+            frames = self._encode(worker_id, sent.kind, sent.meta, arrays, sent.blobs)
+            self._deliver(worker_id, frames, sent.kind, arrays)
 
     def _encode(
         self,
@@ -461,26 +470,22 @@ class WorkerPool:
         assert path is not None
         workers = range(self.num_workers)
         self.timing.start()
-        sent_at = time.monotonic()
-        for worker_id, sl in enumerate(path.region.slices):
-            self._last_sent[worker_id] = SentCommand(
-                Kind.STEP, None, [leaf[sl] for leaf in actions], (), OnLoss.INTERRUPT
-            )
-            self._sent_at[worker_id] = sent_at
+        self._shared_actions = actions
+        self._last_sent.update(dict.fromkeys(workers, _SHARED_STEP))
+        self._sent_at.update(dict.fromkeys(workers, time.monotonic()))
         self._awaiting.update(workers)
         self._unsent.update(dict.fromkeys(workers))  # into the step region
         path.write_actions(actions)
-        for worker_id in workers:
-            try:
-                reached = path.command(worker_id, self.seq)
-            except ProtocolError as exc:  # a worker that does not drain its wake channel
-                raise self._fatal(exc) from None
-            if not reached:
-                if self.recovery.on_worker_failure == "raise":
-                    raise self._fatal(self.recovery.lost_error(worker_id, "sending STEP"))
-                logger.warning("Worker %d is unreachable; it is taken as lost.", worker_id)
-                self._failed.add(worker_id)
-            self._unsent.pop(worker_id, None)
+        try:
+            unreachable = path.command_all(self.seq)
+        except ProtocolError as exc:  # a worker that does not drain its wake channel
+            raise self._fatal(exc) from None
+        self._unsent.clear()  # the call's only commands
+        for worker_id in unreachable:
+            if self.recovery.on_worker_failure == "raise":
+                raise self._fatal(self.recovery.lost_error(worker_id, "sending STEP"))
+            logger.warning("Worker %d is unreachable; it is taken as lost.", worker_id)
+            self._failed.add(worker_id)
 
     def _header(self, worker_id: int, meta: Mapping[str, Any] | None) -> dict[str, Any]:
         """A command's meta as sent: the call number, and the worker's slot if another process serves it."""

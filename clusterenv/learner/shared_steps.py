@@ -207,17 +207,44 @@ class SharedSteps:
         self._publish(worker_id, counter, call)
 
     def _publish(self, worker_id: int, counter: int, call: int) -> None:
-        rows = self.region.workers[worker_id]
-        command = rows.command
+        self._write_command(worker_id, counter, call)
+        fence()  # our counter, visible before we read whether the worker sleeps (it raises, fences, reads ours)
+        self._wake_if_waiting(worker_id)
+
+    def _write_command(self, worker_id: int, counter: int, call: int) -> None:
+        """The command's words: the worker may start from here on."""
+        command = self.region.workers[worker_id].command
         command[CALL] = call
         command[COUNTER] = counter
         self._counters[worker_id] = counter
-        fence()  # our counter, visible before we read whether the worker sleeps (it raises, fences, reads ours)
-        if rows.reply[WORKER_WAITS]:
+
+    def _wake_if_waiting(self, worker_id: int) -> None:
+        """A wake-up byte for worker ``worker_id`` if it raised its *waits* word (after our fence)."""
+        if self.region.workers[worker_id].reply[WORKER_WAITS]:
             try:
                 self._wakers[worker_id]()  # never blocks
             except ProtocolError as exc:
                 raise ProtocolError(f"Worker {worker_id} cannot be woken: {exc}.") from None
+
+    def command_all(self, call: int) -> list[int]:
+        """Command every worker with the actions already in its rows; the workers whose process is gone.
+
+        Every command is recorded and written first, then one fence serves them all, then the
+        workers that sleep are woken: a batch of 16 workers pays one barrier, not 16.
+        """
+        workers = range(len(self.region.workers))
+        for worker_id in workers:
+            counter = self._counters[worker_id] + 1
+            self._in_flight[worker_id] = (counter, call)
+            self._write_command(worker_id, counter, call)
+        fence()
+        unreachable = []
+        for worker_id in workers:
+            try:
+                self._wake_if_waiting(worker_id)
+            except zmq.ZMQError:
+                unreachable.append(worker_id)
+        return unreachable
 
     def resume(self, worker_id: int, call: int) -> bool:
         """Finish worker ``worker_id``'s command of ``call`` after an interrupted send; False if none was recorded."""
@@ -244,17 +271,9 @@ class SharedSteps:
         )
 
     def write_actions(self, actions: Sequence[np.ndarray]) -> None:
-        """The batch's actions into the region, one copy per leaf (then :meth:`command` each worker)."""
+        """The batch's actions into the region, one copy per leaf (then :meth:`command_all`)."""
         for batch, action in zip(self.region.actions, actions, strict=True):
             batch[...] = action
-
-    def command(self, worker_id: int, call: int) -> bool:
-        """Command worker ``worker_id`` with the actions already in its rows; False if its process is gone."""
-        try:
-            self._command(worker_id, call)
-        except zmq.ZMQError:
-            return False
-        return True
 
     def in_flight(self, worker_id: int) -> bool:
         """Whether worker ``worker_id`` has a step on the path that it has not answered yet."""
