@@ -530,13 +530,16 @@ class LearnerPipes:
         """Block on the wake socket of the process ``identity`` for a wake-up; whether one came.
 
         The shared step path's blocking wait: one read, bounded by ``WAKE_READ_TIMEOUT_S``. A
-        wake-up only says "read the region's words again", so the bytes read are dropped. It
-        returns False at once if anything read earlier is still to be received or a pipe
+        wake-up only says "read the region's words again", so the bytes read are dropped, and
+        so are the wake-ups that :meth:`recv` queued earlier: the caller reads the words next.
+        It returns False at once if a message read earlier is still to be received or a pipe
         still has bytes to send (:meth:`recv` takes it from there), and when the read times
         out or finds the end of the stream (the pool's liveness check then finds the process).
         """
         if self._inbox:
-            return False
+            self._inbox = collections.deque(item for item in self._inbox if item[1] is not WOKEN)
+            if self._inbox:
+                return False
         pipe = self._by_identity.get(identity)
         waker = None if pipe is None else self._wakes.get(pipe)
         if pipe is None or waker is None or waker.closed or pipe.pending:
