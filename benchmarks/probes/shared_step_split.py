@@ -3,10 +3,11 @@
 One ClusterEnv (16 null envs or CartPoles on 2 workers) is stepped three ways in the same
 process, against the same workers, alternated for ``--rounds`` rounds:
 
-- ``signal``: the actions written into the region and one wake-up byte per worker, then a
-  blocking read of each reply byte (what any design of this shape pays: the syscalls);
-- ``pool``: ``WorkerPool.step_shared`` (the above plus the pool's bookkeeping: the commands
-  kept for recovery, reply checks, latencies, the receive loop);
+- ``signal``: the actions written into the region and each worker's command words (a wake-up
+  byte to a worker that sleeps), then each worker's reply words waited for (spinning, then a
+  blocking read of its wake socket): what any design of this shape pays;
+- ``pool``: ``WorkerPool.send_shared`` and ``gather`` (the above plus the pool's bookkeeping:
+  the commands kept for recovery and interrupts, reply checks, latencies, the receive loop);
 - ``step``: ``ClusterEnv.step`` (the above plus the VectorEnv's: validating the actions,
   call state, collecting the batch, the copies it returns).
 
@@ -37,6 +38,7 @@ from bench_envs import NullEnv  # noqa: E402
 from report import command_line  # noqa: E402
 
 from clusterenv import ClusterEnv  # noqa: E402
+from clusterenv.learner.shared_steps import NOT_YET  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 
@@ -53,8 +55,6 @@ def measure(name: str, factory: Callable[[], gym.Env], args: Args) -> str:
         pool = envs._pool
         path = pool.step_path
         assert path is not None and path.everyone
-        pipes = pool._channel.pipes
-        wake_fds = [pipes._wakes[pipes._by_identity[pool.members.identities[w]]].fd for w in range(2)]
         actions = np.zeros(16, np.int64)
         envs.reset(seed=0)
         for _ in range(200):
@@ -62,21 +62,21 @@ def measure(name: str, factory: Callable[[], gym.Env], args: Args) -> str:
 
         def signal(steps: int) -> None:
             for _ in range(steps):
-                path.send_all([actions], pool.seq)
-                for fd in wake_fds:
-                    while True:  # a blocking read, given up every 50 ms (SO_RCVTIMEO): read again
-                        try:
-                            os.read(fd, 64)
-                            break
-                        except BlockingIOError:
-                            continue
-                for w in range(len(wake_fds)):  # after every wake-up was read: the pool's receive reads them too
-                    if path.woken(w) is None:  # its reply is a message (a usage report, once a second)
+                path.write_actions([actions])
+                path.command_all(pool.seq)
+                for w in range(2):
+                    reply = path.await_reply(w, 10.0)
+                    while reply is NOT_YET:
+                        reply = path.await_reply(w, 10.0)
+                    if reply is None:  # its reply is a message (a usage report, once a second)
                         pool._await({w}, {}, "stepping", 10.0)
+                    else:
+                        path.taken(w, reply)
 
         def pooled(steps: int) -> None:
             for _ in range(steps):
-                pool.step_shared([actions], "stepping", 10.0)
+                pool.send_shared([actions])
+                pool.gather(range(2), "stepping", 10.0)
 
         def stepped(steps: int) -> None:
             for _ in range(steps):

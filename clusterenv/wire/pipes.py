@@ -95,7 +95,7 @@ class WakeSocket:
     """One end of a wake socket: single bytes that say "your turn" on the shared step path, and the region's file.
 
     The learner reads its end only where a byte has arrived, or in a read bounded by
-    ``WAKE_READ_TIMEOUT_S`` (:meth:`LearnerPipes.await_wake_ups`). A worker's end waits in
+    ``WAKE_READ_TIMEOUT_S`` (:meth:`LearnerPipes.await_wake_up`). A worker's end waits in
     :meth:`PipeCarrier.recv <clusterenv.wire.carriers.PipeCarrier.recv>` together with its pipe.
     Bytes read are counted, so that two wake-ups read at once are two.
 
@@ -389,7 +389,7 @@ class LearnerPipes:
         self._by_fd[pipe.fd] = pipe
         self._poller.register(pipe.fd, select.POLLIN)
         if wake is not None:
-            # Blocking, for await_wake_ups(); recv() reads one only when the poll says it has a byte.
+            # Blocking, for await_wake_up(); recv() reads one only when the poll says it has a byte.
             waker = WakeSocket(wake, blocking=True, takes_fds=False, never_waits=True)
             wake.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _RECEIVE_TIMEOUT)
             self._wakes[pipe] = waker
