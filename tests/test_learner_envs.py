@@ -115,7 +115,7 @@ def test_what_needs_every_env_in_a_worker_is_refused_clearly():
         with pytest.raises(ValueError, match="use `learner_envs=0` for first-ready batches"):
             envs.async_reset(seed=0)
         envs.reset(seed=0)
-        with pytest.raises(ValueError, match="cannot reach the envs the learner steps itself"):
+        with pytest.raises(ValueError, match=r"cannot reach the 2 envs the learner steps itself \(`learner_envs`\)"):
             PolicyRunner(envs, torch_policy(), clusterenv.Never())
 
 

@@ -338,8 +338,8 @@ class ClusterEnv(VectorEnv):
         """
         if self._own is not None:
             raise ValueError(
-                f"{holder or 'An extension'} talks to the workers through their pool, which cannot reach the envs "
-                "the learner steps itself: use `learner_envs=0` with it."
+                "Extensions such as PolicyRunner talk to the workers through their pool, which cannot reach the "
+                f"{self.learner_envs} envs the learner steps itself (`learner_envs`): use `learner_envs=0` with them."
             )
         self._begin(AsyncState.WAITING_CALL, "pending_call")
         self._state, self._holder = AsyncState.WAITING_CALL, holder
