@@ -54,6 +54,8 @@ def test_spinning_is_chosen_only_where_the_learner_and_every_worker_have_a_core(
         info = envs.learner_info
         assert info["spin"] == "never"
         assert info["spin_rule"] == "3 spinning processes would not fit in this process's cores: all block"
+    with ClusterEnv([CARTPOLE] * 4, num_workers=2, spin_us=100.0) as envs:  # a bound the user set: the same rule
+        assert envs.learner_info["spin"] == "never" and envs.learner_info["spin_rule"].startswith("3 spinning")
     with ClusterEnv([CARTPOLE] * 4, num_workers=2, spin_us=0) as envs:
         assert envs.learner_info["spin"] == "never"
 

@@ -93,7 +93,7 @@ class SharedSteps:
         self.on_path: set[int] = set()
         # Spinning needs a core per spinner: the learner and each worker offered the path.
         spinners = len(region.slices) + 1
-        if spin_us is None and not spinners_fit(spinners):
+        if spin_us != 0 and not spinners_fit(spinners):  # a rule for any bound, the default's and a user's
             spin_us = 0.0
             self.spin_reason = f"{spinners} spinning processes would not fit in this process's cores: all block"
         else:

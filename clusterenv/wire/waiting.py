@@ -62,9 +62,9 @@ def _cgroup_quota() -> int | None:
         return None
 
 
-def spinners_fit(spinners: int, cores: int | None = None) -> bool:
+def spinners_fit(spinners: int) -> bool:
     """Whether ``spinners`` processes may spin at once: never more than the usable cores (the learner is one)."""
-    return spinners <= (usable_cores() if cores is None else cores)
+    return spinners <= usable_cores()
 
 
 class SpinBudget:
