@@ -105,7 +105,6 @@ class SharedSteps:
         self._in_flight: dict[int, tuple[int, int]] = {}  # worker → (command counter, call number)
         self._replies: dict[int, Message] = {}  # worker → the RESULT built for its step in flight, until taken
         self._wakers: dict[int, Callable[[], None]] = {}  # worker → what wakes its process
-        self._identities: dict[int, bytes] = {}  # worker → its process, for blocking on its wake socket
         self._layouts: dict[int, InfoLayout] = {}  # the info layout each worker named last
         # Each worker's rewards, terminations and truncations: views of the batch's own arrays.
         self._fields = [[rows.rewards, rows.terminations, rows.truncations] for rows in region.workers]
@@ -144,7 +143,6 @@ class SharedSteps:
         except Exception as exc:  # the process is gone: liveness checks find it
             logger.debug("Worker %d: the step region could not be passed (%s).", worker_id, str(exc))
             return None
-        self._identities[worker_id] = identity
         return FollowUp(
             Kind.SHARE_STEP,
             self.region.meta(worker_id, self._spin_us),
@@ -348,7 +346,7 @@ class SharedSteps:
             fence()  # our word, visible before we read the worker's status (it writes, fences, reads ours)
             blocked_until = started + wait
             while (reply := self.reply(worker_id)) is NOT_YET and clock() < blocked_until:
-                if not self._channel.await_wake_up(self._identities[worker_id]):
+                if not self._channel.await_wake_up(self._members.identities[worker_id]):
                     break
         finally:
             command[LEARNER_WAITS] = 0
