@@ -59,6 +59,13 @@ SHARED_POINTS = {
     "after the first command": (SharedSteps, "_write_command", 1, True),
     "after every command": (SharedSteps, "_write_command", 2, True),
     "before any wake-up": (SharedSteps, "_wake_if_waiting", 1, False),
+}
+# A lockstep step() reads every reply from the words before it takes any; step_wait() takes each as it comes.
+LOCKSTEP_POINTS = {
+    "one reply read": (SharedSteps, "final_status", 1, True),
+    "every reply read": (SharedSteps, "final_status", 2, True),
+}
+TAKEN_POINTS = {
     "one reply taken": (WorkerPool, "_note_reply", 1, True),
     "every reply taken": (WorkerPool, "_note_reply", 2, True),
 }
@@ -66,12 +73,17 @@ MESSAGE_POINTS = {
     "before any command": (Channel, "send_frames", 1, False),
     "after the first command": (Channel, "send_frames", 1, True),
     "after every command": (Channel, "send_frames", 2, True),
-    "one reply taken": (WorkerPool, "_note_reply", 1, True),
-    "every reply taken": (WorkerPool, "_note_reply", 2, True),
+    **TAKEN_POINTS,
+}
+POINTS = {
+    ("shared memory", "step"): {**SHARED_POINTS, **LOCKSTEP_POINTS},
+    ("shared memory", "step_async"): {**SHARED_POINTS, **TAKEN_POINTS},
+    ("messages", "step"): MESSAGE_POINTS,
+    ("messages", "step_async"): MESSAGE_POINTS,
 }
 CASES = [
-    pytest.param(path, *point, id=f"{path}: {where}")
-    for path, points in (("shared memory", SHARED_POINTS), ("messages", MESSAGE_POINTS))
+    pytest.param(path, how, *point, id=f"{how}-{path}: {where}")
+    for (path, how), points in POINTS.items()
     for where, point in points.items()
 ]
 
@@ -80,9 +92,8 @@ def step_both(reference: SyncVectorEnv, envs: ClusterEnv, actions: np.ndarray) -
     assert_same(reference.step(actions), envs.step(actions))
 
 
-@pytest.mark.parametrize("path, owner, method, call, after", CASES)
-@pytest.mark.parametrize("how", ["step", "step_async"])
-def test_a_step_interrupted_anywhere_is_finished_exactly_by_step_wait(path, owner, method, call, after, how):
+@pytest.mark.parametrize("path, how, owner, method, call, after", CASES)
+def test_a_step_interrupted_anywhere_is_finished_exactly_by_step_wait(path, how, owner, method, call, after):
     with (
         ClusterEnv(CARTPOLES, num_workers=2, **PATHS[path]) as envs,
         closing(SyncVectorEnv(CARTPOLES)) as reference,

@@ -15,7 +15,7 @@ recycling, usage reports and timeouts do not apply to them.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -66,6 +66,9 @@ class LearnerEnvs:
             env_fns, made, observation_mode, autoreset_mode, tracker, max_env_errors
         )
         self._array_obs = is_array_tree(self.envs.single_observation_space)
+        self._pending_reply: Message | None = None
+        #: Whether a reset or step of theirs is part of the call in progress (its reply to be collected).
+        self.due = False
 
     @property
     def num_envs(self) -> int:
@@ -81,6 +84,25 @@ class LearnerEnvs:
         if self._array_obs:
             space = self.envs.single_observation_space
             self.envs.observe_into(unflatten(space, [leaf[self.slice] for leaf in leaf_arrays(space, batch)]))
+
+    def run(self, call: Callable[[], Message]) -> None:
+        """Reset or step them (``call``), their part of the call in progress; the reply waits for :meth:`take_reply`."""
+        self._pending_reply, self.due = None, True
+        self._pending_reply = call()
+
+    def take_reply(self) -> Message:
+        """Their reply to the call in progress, collected once.
+
+        Raises:
+            RuntimeError: the reset or step was interrupted (Ctrl-C): their state is unknown.
+        """
+        reply, self._pending_reply, self.due = self._pending_reply, None, False
+        if reply is None:
+            raise RuntimeError(
+                "The envs the learner steps itself (`learner_envs`) were interrupted in the middle of a "
+                "reset or step: their state is unknown. Call reset() before stepping again."
+            )
+        return reply
 
     def reset(self, seeds: list[int | None] | None, options: Any, mask: list[bool] | None) -> Message:
         """Reset them (those in ``mask``, if any): a reply as a worker's, its observations in the batch already."""

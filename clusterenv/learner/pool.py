@@ -216,6 +216,7 @@ class WorkerPool:
         self._socket_due = 0.0  # when gather() next leaves a whole call to _await, which reads the socket too
         #: The shared step path of the workers on this host (:meth:`share_steps`), if there is one.
         self.step_path: SharedSteps | None = None
+        self._every_worker = _EveryWorker(range(num_workers))
         self._finalizer = weakref.finalize(self, _shutdown, self.launcher, self._monitor, self._channel, self._context)
 
     @property
@@ -464,17 +465,18 @@ class WorkerPool:
 
         The batch's actions go into the region at once, and the command each worker would be
         sent is recorded for recovery (a lost worker's episodes are cut, :data:`OnLoss.INTERRUPT`)
-        and for an interrupted send. :meth:`gather` waits for the replies.
+        and for an interrupted send. :meth:`gather` waits for the replies (or
+        :class:`~clusterenv.learner.lockstep.Lockstep` reads them from the words).
         """
         path = self.step_path
         assert path is not None
-        workers = range(self.num_workers)
         self.timing.start()
         self._shared_actions = actions
-        self._last_sent.update(dict.fromkeys(workers, _SHARED_STEP))
-        self._sent_at.update(dict.fromkeys(workers, time.monotonic()))
-        self._awaiting.update(workers)
-        self._unsent.update(dict.fromkeys(workers))  # into the step region
+        every = self._every_worker
+        self._last_sent.update(every.shared_steps)
+        self._sent_at.update(dict.fromkeys(every.ids, time.monotonic()))
+        self._awaiting.update(every.ids)
+        self._unsent.update(every.into_region)
         path.write_actions(actions)
         try:
             unreachable = path.command_all(self.seq)
@@ -486,6 +488,22 @@ class WorkerPool:
                 raise self._fatal(self.recovery.lost_error(worker_id, "sending STEP"))
             logger.warning("Worker %d is unreachable; it is taken as lost.", worker_id)
             self._failed.add(worker_id)
+
+    def may_wait_on_words(self) -> bool:
+        """Whether a lockstep step may read its replies from the words alone (else :meth:`gather` reads the socket).
+
+        Not while messages wait unread, or once every ``LIVENESS_POLL_S``, when the receive
+        loop reads the socket (joins, remote workers' messages) and checks liveness.
+        """
+        return not self._unread and not self._failed and time.monotonic() < self._socket_due
+
+    def took_shared_step(self) -> None:
+        """A lockstep step's replies were all read from the words: its latencies are noted, its batch step ends."""
+        now, ids = time.monotonic(), self._every_worker.ids
+        for worker_id in ids:
+            self._latencies[worker_id].append(now - self._sent_at[worker_id])
+        self._awaiting.difference_update(ids)
+        self.timing.finish()
 
     def _header(self, worker_id: int, meta: Mapping[str, Any] | None) -> dict[str, Any]:
         """A command's meta as sent: the call number, and the worker's slot if another process serves it."""
@@ -919,6 +937,15 @@ class WorkerPool:
             pending = {w for w in pending if w not in expired and self.launcher.exit_code(w) is None}
         if pending:
             logger.warning("Workers %s did not confirm CLOSE within the grace period; ending them.", sorted(pending))
+
+
+class _EveryWorker:
+    """What :meth:`WorkerPool.send_shared` records for every worker, made once rather than per step."""
+
+    def __init__(self, ids: range) -> None:
+        self.ids = ids
+        self.shared_steps = dict.fromkeys(ids, _SHARED_STEP)
+        self.into_region: dict[int, int | None] = dict.fromkeys(ids)
 
 
 def weak_callback(method: Callable[..., _R]) -> Callable[..., _R | None]:

@@ -25,6 +25,7 @@ import zmq
 from clusterenv.errors import ProtocolError
 from clusterenv.learner.commands import FollowUp, OnLoss
 from clusterenv.learner.membership import Membership
+from clusterenv.wire.infos import PackedInfos
 from clusterenv.wire.messages import ValueMeta, meta_of
 from clusterenv.wire.protocol import Kind, Message
 from clusterenv.wire.step_region import (
@@ -316,25 +317,37 @@ class SharedSteps:
             self._in_flight.pop(worker_id, None)
 
     def await_reply(self, worker_id: int, wait: float) -> Message | None:
-        """:meth:`reply`, waited for: spinning, then blocking on the worker's wake socket, within ``wait`` seconds.
+        """:meth:`reply`, waited for (:meth:`await_words`) within ``wait`` seconds.
 
         Returns ``NOT_YET`` when ``wait`` passed, or when anything else needs the pool's receive
         loop (a message arrived, the wake socket closed).
         """
         reply = self.reply(worker_id)
-        if reply is not NOT_YET:
-            return reply
+        if reply is NOT_YET and self.await_words(worker_id, wait):
+            reply = self.reply(worker_id)
+        return reply
+
+    def await_words(self, worker_id: int, wait: float) -> bool:
+        """Wait until worker ``worker_id``'s words answer its step in flight: spin, then block on its wake socket.
+
+        Whether they do, within ``wait`` seconds (False also when anything else needs the
+        pool's receive loop: a message arrived, the wake socket closed). Words past the step
+        in flight end the wait too: :meth:`reply` names them.
+        """
+        counter = self._in_flight[worker_id][0]
+        words = self.region.workers[worker_id].reply
+        if _answered(words, counter):
+            return True
         spin = self.spin
         clock = time.perf_counter
         started = clock()
         bound = spin.bound()
         if bound > 0:
-            deadline, counter, polls = started + bound, self._in_flight[worker_id][0], 0
-            words = self.region.workers[worker_id].reply
+            deadline, polls = started + bound, 0
             while True:
-                if words[COUNTER] == counter and words[STATUS] != STEPPING:
+                if _answered(words, counter):
                     spin.observe(clock() - started, caught=True)
-                    return self.reply(worker_id)
+                    return True
                 polls += 1
                 if polls % _POLLS_PER_CLOCK == 0:
                     if clock() >= deadline:
@@ -345,14 +358,39 @@ class SharedSteps:
         try:
             fence()  # our word, visible before we read the worker's status (it writes, fences, reads ours)
             blocked_until = started + wait
-            while (reply := self.reply(worker_id)) is NOT_YET and clock() < blocked_until:
-                if not self._channel.await_wake_up(self._members.identities[worker_id]):
+            identity = self._members.identities[worker_id]
+            while not (answered := _answered(words, counter)) and clock() < blocked_until:
+                if not self._channel.await_wake_up(identity):
                     break
         finally:
             command[LEARNER_WAITS] = 0
-        if reply is not NOT_YET:
+        if answered:
             spin.observe(clock() - started, caught=False)
-        return reply
+        return answered
+
+    # -- the lockstep step (clusterenv.learner.lockstep) ------------------------------------
+    def final_status(self, worker_id: int) -> int | None:
+        """``DONE`` or ``INFOS`` if worker ``worker_id``'s words answer its step in flight with its results in the rows.
+
+        ``None`` for anything else (a message follows, not answered yet, words to be named
+        as strays): the pool's receive loop reads those as it reads every reply.
+        """
+        words = self.region.workers[worker_id].reply
+        status = words[STATUS]
+        if words[COUNTER] != self._in_flight[worker_id][0] or not (
+            status == DONE or (status == INFOS and worker_id in self._layouts)
+        ):
+            return None
+        return status
+
+    def infos_in_rows(self, worker_id: int) -> PackedInfos:
+        """The infos worker ``worker_id`` wrote into its info rows (its status is ``INFOS``)."""
+        return read_infos(self.region.workers[worker_id].infos, self._layouts[worker_id])
+
+    def all_taken(self) -> None:
+        """Every worker's step in flight was read from its words (:meth:`final_status`): every step is over."""
+        self._in_flight.clear()
+        self._replies.clear()
 
     def in_flight_workers(self) -> list[int]:
         """The workers with a step on the path not answered yet."""
@@ -405,3 +443,9 @@ class SharedSteps:
     def close(self) -> None:
         """Close the region's file (the batch stays readable while views of it live)."""
         self.region.close()
+
+
+def _answered(words: memoryview, counter: int) -> bool:
+    """Whether a worker's reply ``words`` answer step ``counter`` (or name a later one, a stray), its status final."""
+    answered = words[COUNTER]
+    return answered > counter or (answered == counter and words[STATUS] != STEPPING)

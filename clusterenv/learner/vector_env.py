@@ -18,6 +18,7 @@ from clusterenv.launch.launchers import Launcher
 from clusterenv.learner.building import build_envs
 from clusterenv.learner.cuts import Cut
 from clusterenv.learner.first_ready import FirstReady, Ready
+from clusterenv.learner.lockstep import Lockstep
 from clusterenv.learner.own_envs import LearnerEnvs
 from clusterenv.learner.pool import Command, FollowUp, OnLoss, WorkerPool, weak_callback
 from clusterenv.learner.recycling import Recycle, Recycler
@@ -248,9 +249,7 @@ class ClusterEnv(VectorEnv):
         self._needs_reset = True
         self.closed = False
         self._own: LearnerEnvs | None = None
-        # The learner's own envs' part of the reset or step in progress: due, and its reply once they ran.
-        self._own_reply: Message | None = None
-        self._own_due = False
+        self._lockstep: Lockstep | None = None
         self._own_results: list[Any] | None = None  # the learner's own envs' part of a call in progress
         try:
             self._recycler = None if recycle is None else Recycler(recycle, self._pool)
@@ -286,6 +285,10 @@ class ClusterEnv(VectorEnv):
         self._buffers = built.buffers
         self._action_specs = leaf_specs(self.single_action_space) if is_array_tree(self.single_action_space) else None
         self._pool.on_restart(weak_callback(self._reset_replacement_in_flight))
+        if self._pool.step_path is not None and self._action_specs is not None:
+            self._lockstep = Lockstep(
+                self._pool, self._buffers, self._own, self.single_action_space, self._action_specs, copy
+            )
 
     def _place_units(self, slices: list[slice], units: list[slice], batch_size: int | None) -> None:
         """The envs' slices, once the workers reported how many envs each entry of ``env_fns`` made."""
@@ -470,30 +473,25 @@ class ClusterEnv(VectorEnv):
         Returns:
             The batched ``(obs, rewards, terminations, truncations, infos)``.
         """
-        if self._recycler is None and self._action_specs is not None and self._pool.can_step_shared():
-            return self._step_shared(actions)
-        self.step_async(actions)
-        return self.step_wait()
-
-    def _step_shared(self, actions: Any) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
-        """``step`` when every worker is on the shared step path: ``step_async`` and ``step_wait`` in one."""
-        assert self._action_specs is not None
+        lockstep = self._lockstep
+        if lockstep is None or self._recycler is not None or not lockstep.ready():
+            self.step_async(actions)
+            return self.step_wait()
         self._begin(AsyncState.WAITING_STEP, "step_async")
         self._check_reset_before_step()
-        leaves = check_actions(actions, self.single_action_space, self._action_specs, self.num_envs)
+        leaves = lockstep.leaves(actions)
         # As step_async leaves it: if the wait is interrupted (Ctrl-C), step_wait() can finish it.
-        self._state, self._pending = AsyncState.WAITING_STEP, list(range(self.num_workers))
-        if not self._pool.takes_shared(leaves):  # actions of another dtype reach the envs as they are: messages
-            self._send_pending(
-                AsyncState.WAITING_STEP, Kind.STEP, self._array_commands(leaves, self._pending), OnLoss.INTERRUPT
-            )
+        self._state, self._pending = AsyncState.WAITING_STEP, lockstep.workers
+        if leaves is None:  # actions of another dtype reach the envs as they are: messages
+            assert self._action_specs is not None  # a lockstep is made only for actions of a fixed array form
+            leaves = check_actions(actions, self.single_action_space, self._action_specs, self.num_envs)
+            commands = self._array_commands(leaves, self._pending)
+            self._send_pending(AsyncState.WAITING_STEP, Kind.STEP, commands, OnLoss.INTERRUPT)
             self._step_own(leaves, None)
-            return self.step_wait()
-        self._pool.send_shared(leaves)
-        self._step_own(leaves, None)
-        replies = self._pool.gather(self._pending, "stepping", self.timeout)
-        self._state = AsyncState.DEFAULT
-        return self._step_result(replies)
+        elif (answers := lockstep.step(leaves, self._step_own)) is not None:
+            self._state = AsyncState.DEFAULT  # every worker answered: an interrupt from here on loses only the results
+            return lockstep.results(answers)
+        return self.step_wait()
 
     def step_async(self, actions: Any) -> None:
         """Send the actions to the workers without waiting for the results (:meth:`step_wait` returns them).
@@ -521,7 +519,7 @@ class ClusterEnv(VectorEnv):
         self._send_pending(AsyncState.WAITING_STEP, Kind.STEP, commands, OnLoss.INTERRUPT)
         self._step_own(leaves, items)
 
-    def _step_own(self, leaves: list[np.ndarray] | None, items: list[Any] | None) -> None:
+    def _step_own(self, leaves: list[np.ndarray] | None, items: list[Any] | None = None) -> None:
         """Step the learner's own envs (if any) with their actions, while the workers step theirs."""
         own = self._own
         if own is None:
@@ -535,9 +533,8 @@ class ClusterEnv(VectorEnv):
 
     def _run_own(self, call: Callable[[], Message]) -> None:
         """Reset or step the learner's own envs: their reply joins the workers' (an env error closes, as theirs)."""
-        self._own_reply, self._own_due = None, True
         try:
-            self._own_reply = call()
+            self._own_envs().run(call)
         except Exception:
             self._close_after_error(terminate=False)
             raise
@@ -581,15 +578,9 @@ class ClusterEnv(VectorEnv):
 
     def _collect(self, replies: dict[int, Message], step: bool) -> dict[str, Any]:
         parts = [(self._slices[w], replies[w]) for w in sorted(replies)]
-        if self._own_due:
-            assert self._own is not None
-            own, self._own_reply, self._own_due = self._own_reply, None, False
-            if own is None:
-                raise RuntimeError(
-                    "The envs the learner steps itself (`learner_envs`) were interrupted in the middle of a "
-                    "reset or step: their state is unknown. Call reset() before stepping again."
-                )
-            parts.insert(0, (self._own.slice, own))
+        own = self._own
+        if own is not None and own.due:
+            parts.insert(0, (own.slice, own.take_reply()))
         return self._buffers.collect(parts, step)
 
     def _report_interrupted(self, infos: dict[str, Any], interrupted: list[int]) -> dict[str, Any]:
