@@ -7,12 +7,19 @@ lockstep loop: what this machine allows such a step path (its wake-ups included)
 clusterenv and the floor the learner's CPU per worker message is measured too: the
 learner process's CPU time (all its threads) over the timed steps, divided by the
 messages (workers x batch steps). Before timing, the floor is checked bit-identical to
-``SyncVectorEnv`` on CartPole-v1 (and on HalfCheetah-v5 with its infos, where MuJoCo is
-installed). ``spin_floor`` is :class:`spin_floor.SpinFloor`: the learner steps half the envs
+``SyncVectorEnv`` on CartPole-v1 (and on HalfCheetah-v5 and ALE/Pong-v5 with their infos, where
+MuJoCo and ale-py are installed). ``spin_floor`` is :class:`spin_floor.SpinFloor`: the learner steps half the envs
 and one forked worker the other half, both spinning, never a wake-up (infos dropped);
 ``split`` is clusterenv in that shape (``num_workers=1, learner_envs=n // 2``, its default
 spin). For Sync, clusterenv and the floor, the CPU each env step costs in the process that
-steps it (the workers', from ``/proc``) is reported too.
+steps it (the workers', from ``/proc``) is reported too. ``pong_x16`` is raw ``ALE/Pong-v5``
+(210x160x3 frames, ale-py's ``lives``/``episode_frame_number``/``frame_number`` infos, which the
+floor carries too and checks exact); EnvPool's Pong beside it differs as the table's note says.
+
+Before timing, clusterenv is also checked as each cell runs it: bit-identical to
+``SyncVectorEnv`` (infos included) over lockstep steps, its workers on the shared step path,
+and what each step's replies were (:class:`step_paths.PathCount`: results and infos in the
+region, or a message, and why).
 
     pip install -e ".[bench]"
     python benchmarks/onehost.py                 # every cell, 3 rounds of 3 s
@@ -24,6 +31,7 @@ Writes ``results/onehost.json`` and ``results/onehost.md``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -31,6 +39,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import tyro
 from report import command_line  # the sibling module
@@ -47,9 +56,37 @@ CELLS: dict[str, tuple[str, int, int]] = {
     "burn50us_x16": ("BurnEnv", 16, 2),
     "null_x16": ("NullEnv", 16, 2),
     "cartpole_x8": ("CartPole-v1", 8, 2),
+    "pong_x16": ("ALE/Pong-v5", 16, 2),
 }
-ENVPOOL_IDS = {"CartPole-v1": "CartPole-v1", "HalfCheetah-v5": "HalfCheetah-v5"}
+#: env -> (EnvPool's id, its options). Pong's ask EnvPool for raw ALE v5 as closely as it goes: full-size RGB,
+#: no stacking, no resets on life loss, no reward clipping, sticky actions 0.25, frameskip 4, at most one no-op at
+#: reset. What still differs (the table says so): channel-first (3, 210, 160) frames, max-pooled over the last 2
+#: frames of each frameskip, and no infos in the region's sense (EnvPool's own info dict).
+ENVPOOL: dict[str, tuple[str, dict[str, Any]]] = {
+    "CartPole-v1": ("CartPole-v1", {}),
+    "HalfCheetah-v5": ("HalfCheetah-v5", {}),
+    "ALE/Pong-v5": (
+        "Pong-v5",
+        {
+            "img_height": 210,
+            "img_width": 160,
+            "gray_scale": False,
+            "stack_num": 1,
+            "frame_skip": 4,
+            "noop_max": 1,
+            "episodic_life": False,
+            "reward_clip": False,
+            "use_fire_reset": False,
+            "repeat_action_probability": 0.25,
+            "max_episode_steps": 27000,
+        },
+    ),
+}
 HALFCHEETAH_INFOS = ("x_position", "x_velocity", "reward_forward", "reward_ctrl")
+#: What an ale-py env reports in its infos, every step and reset: numbers, so they travel in the step region.
+ATARI_INFOS = ("lives", "episode_frame_number", "frame_number")
+#: env -> the info keys the floor carries (in the order the env reports them); other envs report none.
+INFO_KEYS = {"HalfCheetah-v5": HALFCHEETAH_INFOS, "ALE/Pong-v5": ATARI_INFOS}
 
 
 @dataclasses.dataclass
@@ -89,9 +126,12 @@ def factory():
     if env == "NullEnv":
         from bench_envs import NullEnv
         return NullEnv
+    if env.startswith("ALE/"):
+        from bench_envs import make_atari
+        return lambda: make_atari(env)
     return lambda: gym.make(env)
 
-info_keys = {info_keys!r} if env == "HalfCheetah-v5" else ()
+info_keys = {info_keys!r}
 messages_per_step = 0
 if backend == "sync":
     envs = gym.vector.SyncVectorEnv([factory()] * num_envs)
@@ -100,7 +140,8 @@ elif backend == "async":
 elif backend.startswith("envpool"):
     import envpool
     threads = 1 if backend == "envpool_1t" else min(num_envs, os.cpu_count() or 1)
-    envs = envpool.make_gymnasium({envpool_ids!r}[env], num_envs=num_envs, num_threads=threads, seed=0)
+    envpool_id, envpool_options = {envpool!r}
+    envs = envpool.make_gymnasium(envpool_id, num_envs=num_envs, num_threads=threads, seed=0, **envpool_options)
 elif backend == "floor":
     from shm_floor import ShmFloor
     envs = ShmFloor([factory()] * num_envs, workers, info_keys)
@@ -134,7 +175,9 @@ def cpu_s(pids):
         total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return total
 rng = np.random.default_rng(0)
-space = gym.make(env).action_space if env not in ("BurnEnv", "NullEnv") else gym.spaces.Discrete(2)
+probe = factory()()
+space = probe.action_space
+probe.close()
 actions = np.stack([space.sample() for _ in range(num_envs)]) if hasattr(space, "shape") and space.shape else np.zeros(num_envs, np.int64)
 if backend.startswith("envpool"):
     envs.reset()
@@ -159,7 +202,7 @@ print(json.dumps({{"rate": steps * num_envs / wall, "cpu_us_per_msg": per_msg, "
 
 def run_once(cell: str, backend: str, seconds: float) -> dict[str, float | None] | None:
     env, num_envs, workers = CELLS[cell]
-    if backend.startswith("envpool") and env not in ENVPOOL_IDS:
+    if backend.startswith("envpool") and env not in ENVPOOL:
         return None
     code = _RUN.format(
         benchmarks=str(HERE),
@@ -168,8 +211,8 @@ def run_once(cell: str, backend: str, seconds: float) -> dict[str, float | None]
         workers=workers,
         backend=backend,
         seconds=seconds,
-        info_keys=HALFCHEETAH_INFOS,
-        envpool_ids=ENVPOOL_IDS,
+        info_keys=INFO_KEYS.get(env, ()),
+        envpool=ENVPOOL.get(env),
     )
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=HERE.parent, capture_output=True, text=True, timeout=300, check=False
@@ -185,6 +228,7 @@ def check_floor_exact() -> list[str]:
     sys.path.insert(0, str(HERE))
     import gymnasium as gym
     import numpy as np
+    from bench_envs import make_atari
     from shm_floor import ShmFloor
 
     checked = []
@@ -194,17 +238,33 @@ def check_floor_exact() -> list[str]:
         cases.append(("HalfCheetah-v5", HALFCHEETAH_INFOS))
     except Exception as exc:  # MuJoCo missing: the CartPole check is the one the floor must pass
         print(f"HalfCheetah-v5 not checked: {exc}", file=sys.stderr)
+    try:
+        make_atari("ALE/Pong-v5").close()
+        cases.append(("ALE/Pong-v5", ATARI_INFOS))
+    except Exception as exc:  # ale-py missing
+        print(f"ALE/Pong-v5 not checked: {exc}", file=sys.stderr)
     for env_id, keys in cases:
-        fns = [lambda env_id=env_id: gym.make(env_id)] * 8
+        fns = [_maker(env_id)] * 8
         sync, floor = gym.vector.SyncVectorEnv(fns), ShmFloor(fns, 2, keys)
         try:
             rng = np.random.default_rng(1)
-            _assert_same(sync.reset(seed=3), floor.reset(seed=3), env_id)
-            for _ in range(300 if env_id == "CartPole-v1" else 1100):  # past episode ends (and the 1,000-step limit)
+            obs, infos = sync.reset(seed=3)
+            # ale-py's seeded reset also reports the seeds it used, a pair per env: no number the floor's region
+            # carries. The floor's claim is its steps (and the observations and ALE infos of this reset).
+            infos = {key: value for key, value in infos.items() if key.lstrip("_") != "seeds"}
+            _assert_same((obs, infos), floor.reset(seed=3), env_id)
+            ended = np.zeros(8, np.bool_)
+            # Past episode ends: CartPole's, HalfCheetah's 1,000-step limit, every Pong game (about 800 steps).
+            for _ in range({"CartPole-v1": 300, "HalfCheetah-v5": 1100}.get(env_id, 3000)):
+                if env_id.startswith("ALE/") and ended.all():
+                    break
                 actions = np.stack([sync.single_action_space.sample() for _ in range(8)])
-                if env_id == "CartPole-v1":
-                    actions = rng.integers(0, 2, 8)
-                _assert_same(sync.step(actions), floor.step(actions), env_id)
+                if isinstance(sync.single_action_space, gym.spaces.Discrete):
+                    actions = rng.integers(0, sync.single_action_space.n, 8)
+                expected = sync.step(actions)
+                _assert_same(expected, floor.step(actions), env_id)
+                ended |= expected[2] | expected[3]
+            assert ended.all(), f"{env_id}: not every env ended an episode in the check"
         finally:
             sync.close()
             floor.close()
@@ -224,6 +284,54 @@ def check_floor_exact() -> list[str]:
         floor.close()
     checked.append("CartPole-v1 (spin_floor)")
     return checked
+
+
+def check_clusterenv_cell(cell: str, steps: int) -> dict[str, Any]:
+    """ClusterEnv as the cell runs it, against SyncVectorEnv (infos included), and the path its steps took.
+
+    ``steps`` lockstep steps of seeded random actions; the counts are :class:`step_paths.PathCount`'s,
+    over all but the first step (whose infos name their layout in a message).
+    """
+    sys.path.insert(0, str(HERE))
+    import gymnasium as gym
+    import numpy as np
+    from step_paths import PathCount
+
+    from clusterenv import ClusterEnv
+
+    env, num_envs, workers = CELLS[cell]
+    fns = [_maker(env)] * num_envs
+    sync, envs = gym.vector.SyncVectorEnv(fns), ClusterEnv(fns, num_workers=workers)
+    try:
+        space = sync.single_action_space
+        space.seed(4)
+        _assert_same(sync.reset(seed=7), envs.reset(seed=7), f"{cell} reset")
+        actions = np.stack([space.sample() for _ in range(num_envs)])
+        _assert_same(sync.step(actions), envs.step(actions), f"{cell} step 0")
+        count = PathCount(envs)
+        try:
+            for t in range(1, steps):
+                actions = np.stack([space.sample() for _ in range(num_envs)])
+                _assert_same(sync.step(actions), envs.step(actions), f"{cell} step {t}")
+                count.replied()
+        finally:
+            paths = count.close()
+    finally:
+        sync.close()
+        envs.close()
+    return {"exact_steps": steps, **paths}
+
+
+def _maker(env_id: str) -> Any:
+    """A factory for ``env_id``: a ``bench_envs`` class, or ``gym.make`` (ale-py's envs registered first for ``ALE/``)."""
+    import gymnasium as gym
+    from bench_envs import BurnEnv, NullEnv, make_atari
+
+    if env_id == "BurnEnv":
+        return functools.partial(BurnEnv, step_cpu_ms=0.05)
+    if env_id == "NullEnv":
+        return NullEnv
+    return functools.partial(make_atari if env_id.startswith("ALE/") else gym.make, env_id)
 
 
 def _assert_same(a: object, b: object, where: str) -> None:
@@ -246,6 +354,11 @@ def main(args: Args) -> None:
     if args.quick:
         args.rounds, args.seconds = 1, 1.0
     checked = check_floor_exact()
+    path_checks = {
+        cell: check_clusterenv_cell(cell, 50 if args.quick else 200)
+        for cell in args.cells
+        if "clusterenv" in args.backends
+    }
     runs: dict[str, dict[str, list[dict]]] = {cell: {b: [] for b in args.backends} for cell in args.cells}
     for _ in range(args.rounds):
         for cell in args.cells:
@@ -318,11 +431,38 @@ def main(args: Args) -> None:
             f"{ratio('floor')} | {ratio('clusterenv')} | {floor_share} | {ratio('messages')} | {cpu_text} | "
             f"{per_env_text} | {ratio('spin_floor')} | {ratio('split')} | {split_share} |"
         )
+    if any(CELLS[cell][0] in ENVPOOL and CELLS[cell][0].startswith("ALE/") for cell in cells_out):
+        lines += [
+            "",
+            "EnvPool's Pong is asked for raw ALE v5 as closely as it goes (210x160 RGB, no frame stack, no episodic "
+            "life, no reward clipping, no fire reset, frameskip 4, sticky actions 0.25, at most one no-op at reset); "
+            "it still differs: channel-first (3, 210, 160) frames, each max-pooled over the last 2 frames of its "
+            "frameskip, and its own infos.",
+        ]
+    if path_checks:
+        lines += ["", "ClusterEnv as each cell runs it (lockstep, default settings), checked in this run:", ""]
+        for cell, check in path_checks.items():
+            replies = check["worker_replies"]
+            shown = ", ".join(f"{n} {status.replace('_', ' ')}" for status, n in sorted(replies.items()))
+            if check["message_replies_carried"]:
+                carried = ", ".join(f"{k.replace('_', ' ')}: {n}" for k, n in check["message_replies_carried"].items())
+                shown += f" (the messages carried {carried})"
+            lines.append(
+                f"* {cell}: bit-identical to `SyncVectorEnv` over {check['exact_steps']} steps (infos included); "
+                f"step path {' / '.join(check['step_path'])}; worker replies after the first step: {shown}; "
+                f"messages the learner sent: {check['messages_sent']}."
+            )
     text = "\n".join(lines) + "\n"
     print(text)
     RESULTS_DIR.mkdir(exist_ok=True)
     (RESULTS_DIR / "onehost.md").write_text(text)
-    payload = {"date": date, "cores": CORES, "args": dataclasses.asdict(args), "floor_exact_on": checked}
+    payload = {
+        "date": date,
+        "cores": CORES,
+        "args": dataclasses.asdict(args),
+        "floor_exact_on": checked,
+        "clusterenv_checks": path_checks,
+    }
     (RESULTS_DIR / "onehost.json").write_text(
         json.dumps({**payload, "cells": cells_out, "runs": runs}, indent=1) + "\n"
     )
