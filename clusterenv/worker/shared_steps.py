@@ -209,7 +209,7 @@ class _SharedStepper:
         if usage is not None:
             meta["usage"] = usage
         if layout is not None and layout != self.layout:  # from the next step on, such infos go in the region
-            meta["info_layout"] = [list(key) for key in layout]
+            meta["info_layout"] = layout  # msgpack writes its tuples as lists; the learner checks them
             self.layout = layout
         return Message(Kind.RESULT, meta, [], [dumps(payload) if payload is not None else b""])
 
