@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from unittest import mock
 
 import numpy as np
 import pytest
+
+from clusterenv.learner.shared_steps import SharedSteps
 
 
 def child_pids(parent: int | None = None) -> set[int]:
@@ -72,6 +77,31 @@ def no_leaked_workers() -> Iterator[None]:
         for pid in pids:
             os.kill(pid, 9)
         pytest.fail(f"Test leaked worker processes {sorted(pids)}")
+
+
+class StepMessages:
+    """How many messages completed a step on the shared step path (infos, usage reports, layouts), since when."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.started = time.monotonic()
+        self._completed = SharedSteps.completed
+
+    def __call__(self, path, worker_id, msg):
+        self.count += 1
+        return self._completed(path, worker_id, msg)
+
+    def without_one_per_step(self, workers: int) -> int:
+        """The most that workers whose steps need no message send: a layout each, a usage report each second."""
+        return workers * (2 + math.ceil(time.monotonic() - self.started))
+
+
+@contextmanager
+def counting_step_messages() -> Iterator[StepMessages]:
+    """Count the messages that complete a step on the shared step path while the block runs."""
+    counter = StepMessages()
+    with mock.patch.object(SharedSteps, "completed", autospec=True, side_effect=counter):
+        yield counter
 
 
 def assert_same(a, b, path: str = "") -> None:

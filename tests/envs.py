@@ -678,6 +678,34 @@ class ScalarInfoCartPole(gym.Wrapper):
         return obs, reward, terminated, truncated, info
 
 
+class NestedInfoCartPole(gym.Wrapper):
+    """CartPole whose reset and every step report the same numeric infos, nested two deep (as EnvPool's ``players``).
+
+    No ``bool``: a vector env batches it into an object array (Gymnasium's ``_add_info``), which a message carries.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(gym.make("CartPole-v1"))
+        self.t = 0
+
+    def _info(self, obs: np.ndarray) -> dict[str, Any]:
+        return {
+            "t": self.t,
+            "pole": {"angle": np.float32(obs[2]), "upright": np.int8(obs[2] > 0), "state": obs.copy()},
+            "players": {"env": {"id": np.int32(7), "pos": np.array([obs[0], -obs[0]], dtype=np.float64)}},
+        }
+
+    def reset(self, **kwargs):
+        self.t = 0
+        obs, _ = self.env.reset(**kwargs)
+        return obs, self._info(obs)
+
+    def step(self, action):
+        obs, reward, terminated, truncated, _ = self.env.step(action)
+        self.t += 1
+        return obs, reward, terminated, truncated, self._info(obs)
+
+
 class CountingEnv(gym.Env):
     """Observes its step count; built by its class (no ``OrderEnforcing``), so it steps before any reset.
 

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 from unittest import mock
 
 import gymnasium as gym
+import msgpack
 import numpy as np
 import pytest
 from gymnasium import spaces
@@ -37,7 +38,7 @@ from clusterenv.wire.pipes import WOKEN, Pipe, WakeSocket, pipe_pair, wake_pair
 from clusterenv.wire.protocol import Kind, Message
 from clusterenv.wire.step_region import (
     DONE,
-    INFO_SLOTS,
+    INFO_BYTES,
     MESSAGE,
     STEPPING,
     WORKER_WAITS,
@@ -49,9 +50,10 @@ from clusterenv.wire.step_region import (
     write_infos,
 )
 from clusterenv.wire.transport import WAKE_UP
-from tests.conftest import assert_same, kill_mid_step, pid_alive, wait_until
+from tests.conftest import assert_same, counting_step_messages, kill_mid_step, pid_alive, wait_until
 from tests.envs import (
     CountingEnv,
+    NestedInfoCartPole,
     ScalarInfoCartPole,
     SlowCartPole,
     SparseInfoRichEnv,
@@ -457,14 +459,51 @@ def test_infos_every_env_reports_at_every_step_are_exact_through_the_region(mode
         assert run_lockstep(reference, envs, steps=200, seed=8) >= 10
 
 
-def test_packed_infos_come_back_from_the_info_rows_exactly():
-    records = [
-        (i, {"x": float(i) / 3, "n": i, "f": np.float32(i), "ok": i % 2 == 0, "l": np.int64(-i)}) for i in range(3)
-    ]
+@pytest.mark.parametrize("mode", MODES, ids=[m.value for m in MODES])
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shared step path", "messages"])
+def test_nested_numeric_infos_are_exact_and_go_through_the_region(mode, shared_memory):
+    env_fns = [NestedInfoCartPole] * 5  # uneven: 3 and 2 envs
+    with (
+        counting_step_messages() as messages,
+        ClusterEnv(env_fns, num_workers=2, autoreset_mode=mode, shared_memory=shared_memory) as envs,
+        closing(SyncVectorEnv(env_fns, autoreset_mode=mode)) as reference,
+    ):
+        episodes = run_lockstep(reference, envs, steps=200, seed=4)
+    assert episodes >= 10
+    if shared_memory:
+        # In SAME_STEP mode a step that ends an episode carries ``final_obs``: a message. No other step needs one.
+        assert messages.count <= messages.without_one_per_step(2) + (episodes if mode is AutoresetMode.SAME_STEP else 0)
+
+
+NESTED_RECORDS = [
+    (
+        i,
+        {
+            "x": float(i) / 3,
+            "players": {"env_id": np.int32(i), "deep": {"ok": i % 2 == 0, "pos": np.arange(3.0) * i}},
+            "ram": np.full(128, i, dtype=np.uint8),
+            "c": np.complex128(1j * i),
+            "empty": {},
+        },
+    )
+    for i in range(3)
+]
+
+
+@pytest.mark.parametrize(
+    "records",
+    [
+        [(i, {"x": float(i) / 3, "n": i, "f": np.float32(i), "ok": i % 2 == 0, "l": np.int64(-i)}) for i in range(3)],
+        NESTED_RECORDS,
+    ],
+    ids=["numbers", "nested dicts and arrays"],
+)
+def test_packed_infos_come_back_from_the_info_rows_exactly(records):
     payload = pack_infos(records, 3, min_envs=1)
     layout = info_layout(payload)
-    assert layout is not None and check_layout([list(key) for key in layout]) == layout
-    rows = np.zeros((3, INFO_SLOTS * 8), np.uint8)
+    assert layout is not None
+    assert check_layout(msgpack.unpackb(msgpack.packb(layout))) == layout  # as the learner reads a worker's
+    rows = np.zeros((3, INFO_BYTES), np.uint8)
     write_infos(rows, payload)  # type: ignore[arg-type]
     assert read_infos(rows, layout) == payload
     assert_same(merge_infos({}, read_infos(rows, layout), 3, 0), merge_infos({}, list(records), 3, 0))
@@ -473,19 +512,36 @@ def test_packed_infos_come_back_from_the_info_rows_exactly():
 @pytest.mark.parametrize(
     "records",
     [
-        [(0, {"v": np.zeros(2)}), (1, {"v": np.zeros(2)})],  # an array
         [(0, {"s": "text"}), (1, {"s": "text"})],  # an object
+        [(0, {"p": {"s": "text"}}), (1, {"p": {"s": "text"}})],  # a nested object
         [(0, {"x": 1.0}), (1, {})],  # not every env
-        [(0, {f"k{j}": 1.0 for j in range(INFO_SLOTS + 1)}), (1, {f"k{j}": 1.0 for j in range(INFO_SLOTS + 1)})],
-        [(0, {"c": np.complex128(1j)}), (1, {"c": np.complex128(1j)})],  # 16 bytes
+        [(0, {"p": {"x": 1.0}}), (1, {"p": {}})],  # not every env, nested
+        [(0, {"v": np.zeros(INFO_BYTES // 8 + 1)}), (1, {"v": np.zeros(INFO_BYTES // 8 + 1)})],
+        [
+            (0, {f"k{j}": 1.0 for j in range(INFO_BYTES // 8 + 1)}),
+            (1, {f"k{j}": 1.0 for j in range(INFO_BYTES // 8 + 1)}),
+        ],
     ],
-    ids=["array", "object", "not every env", "too many keys", "wider than a slot"],
+    ids=["object", "nested object", "not every env", "not every env, nested", "too many bytes", "too many keys"],
 )
 def test_infos_that_fit_no_layout_travel_as_messages(records):
     assert info_layout(pack_infos(records, 2, min_envs=1)) is None
 
 
-@pytest.mark.parametrize("layout", [[["x", "object", "d"]], [["x", "float", "O"]], [["x", "float", "c16"]], "x"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        [["x", "object", "d", []]],
+        [["x", "float", "O", []]],
+        [["x", "float", "d", [2]]],  # a scalar with a shape
+        [["x", "ndarray", "d", [-1]]],
+        [["x", "ndarray", "d", [INFO_BYTES // 8 + 1]]],  # more than the rows hold
+        [["p", "dict", [["x", "float", "O", []]]]],
+        [["p", "dict", "x"]],
+        [["x", "float", "d"]],
+        "x",
+    ],
+)
 def test_a_layout_a_worker_names_is_checked(layout):
     with pytest.raises(ValueError, match="Not an info layout"):
         check_layout(layout)

@@ -27,7 +27,8 @@ from gymnasium.wrappers.vector import DictInfoToList
 from clusterenv import ClusterEnv
 from clusterenv.errors import RemoteEnvError
 from clusterenv.wire.liveness import Heartbeat
-from tests.conftest import assert_same, pid_alive, wait_until
+from tests.conftest import assert_same, counting_step_messages, pid_alive, wait_until
+from tests.envs import NestedInfoCartPole
 
 # EnvPool's classic-control spaces are made from float64 bounds, and Gymnasium warns as it casts them.
 pytestmark = pytest.mark.filterwarnings("ignore:.*precision lowered by casting to float32:UserWarning")
@@ -142,6 +143,22 @@ def test_sync_vector_env_units_equal_the_units_concatenated(mode):
     assert episodes >= 10, "the run must cross episode boundaries to test autoreset"
 
 
+@pytest.mark.parametrize("mode", MODES, ids=[m.value for m in MODES])
+def test_units_with_nested_numeric_infos_equal_the_units_concatenated_with_no_message_per_step(mode):
+    # Worker 0 packs the infos of its two units from their per-env records, worker 1 its one unit's whole.
+    fns = [functools.partial(SyncVectorEnv, [NestedInfoCartPole] * k, autoreset_mode=mode) for k in (3, 2, 4)]
+    with (
+        counting_step_messages() as messages,
+        ClusterEnv(fns, num_workers=2) as candidate,
+        closing(Concatenated([fn() for fn in fns])) as reference,
+    ):
+        assert [w["step_path"] for w in candidate.worker_info] == ["shared memory"] * 2
+        episodes = run_lockstep(reference, candidate, 200, seed=11, mode=mode)
+    assert episodes >= 10
+    # In SAME_STEP mode a step that ends an episode carries ``final_obs``: a message. No other step needs one.
+    assert messages.count <= messages.without_one_per_step(2) + (episodes if mode is AutoresetMode.SAME_STEP else 0)
+
+
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["shared step path", "messages"])
 def test_a_unit_at_slot_offset_k_is_seeded_s_plus_k_so_units_equal_one_sync_vector_env(shared_memory):
     # A SyncVectorEnv unit seeded s gives its envs s, s + 1, ...: the units side by side are
@@ -156,7 +173,11 @@ def test_envpool_units_equal_the_same_envpools_concatenated():
     # EnvPool takes its seed when it is made; reset(seed=...) is ignored by EnvPool (it warns, in
     # the worker): the envs are those of their construction seeds, whatever reset's seed is.
     fns = [functools.partial(envpool_cartpoles, 4, seed) for seed in (0, 4, 8)]
-    with ClusterEnv(fns, num_workers=2) as candidate, closing(Concatenated([fn() for fn in fns])) as reference:
+    with (
+        counting_step_messages() as messages,
+        ClusterEnv(fns, num_workers=2) as candidate,
+        closing(Concatenated([fn() for fn in fns])) as reference,
+    ):
         assert candidate.num_envs == 12
         assert candidate.metadata["autoreset_mode"] is AutoresetMode.NEXT_STEP
         assert candidate.single_observation_space == reference.units[0].single_observation_space
@@ -170,6 +191,8 @@ def test_envpool_units_equal_the_same_envpools_concatenated():
             assert_same(expected, candidate.step(actions))
             episodes += int((expected[2] | expected[3]).sum())
     assert episodes >= 10
+    # EnvPool's infos (``env_id``, ``players``: {``env_id``}, ``elapsed_step``) go in the region's info rows.
+    assert messages.count <= messages.without_one_per_step(2)
 
 
 @needs_envpool
@@ -189,13 +212,19 @@ def test_envpool_units_seeded_s_plus_k_equal_one_envpool():
 @needs_envpool
 def test_envpool_pong_units_equal_the_same_envpools_concatenated():
     fns = [functools.partial(envpool_make, "Pong-v5", env_type="gymnasium", num_envs=2, seed=s) for s in (0, 2)]
-    with ClusterEnv(fns, num_workers=2) as candidate, closing(Concatenated([fn() for fn in fns])) as reference:
+    with (
+        counting_step_messages() as messages,
+        ClusterEnv(fns, num_workers=2) as candidate,
+        closing(Concatenated([fn() for fn in fns])) as reference,
+    ):
         assert candidate.observation_space.shape == (4, 4, 84, 84)
         assert_same(reference.reset(), candidate.reset())
         rng = np.random.default_rng(2)
         for _ in range(60):
             actions = rng.integers(0, 6, 4)
             assert_same(reference.step(actions), candidate.step(actions))
+    # Atari's infos, 128 bytes of ``ram`` and a nested ``players`` among them, go in the info rows.
+    assert messages.count <= messages.without_one_per_step(2)
 
 
 def test_single_envs_and_units_mix_when_their_autoreset_modes_agree():
@@ -470,3 +499,29 @@ def test_a_units_infos_pack_to_what_their_per_env_records_pack_to(infos):
     assert (log.columns(6) is not None) == packs_whole
     assert_same(pack_infos(log, 6), pack_infos(records, 6))
     assert_same(pack_infos(log, 6, min_envs=1), pack_infos(records, 6, min_envs=1))
+
+
+EVERY_ENV_INFOS = {
+    "EnvPool's": UNIT_INFOS["EnvPool's (no masks, nested)"],
+    "Gymnasium's, masks all set": {
+        "outer": {"x": np.ones((6, 2), dtype=np.float32), "_x": _masked(*range(6))},
+        "_outer": _masked(*range(6)),
+        "t": np.arange(6),
+        "_t": _masked(*range(6)),
+    },
+}
+
+
+@pytest.mark.parametrize("infos", EVERY_ENV_INFOS.values(), ids=EVERY_ENV_INFOS.keys())
+def test_a_units_numeric_infos_that_every_env_reports_go_in_the_info_rows(infos):
+    from clusterenv.wire.infos import BatchedInfoLog, pack_infos
+    from clusterenv.wire.step_region import INFO_BYTES, info_layout, read_infos, write_infos
+
+    log = BatchedInfoLog()
+    log.add(0, 6, infos)
+    payload = pack_infos(log, 6, min_envs=1)
+    layout = info_layout(payload)
+    assert layout is not None
+    rows = np.zeros((6, INFO_BYTES), np.uint8)
+    write_infos(rows, payload)  # type: ignore[arg-type]
+    assert read_infos(rows, layout) == payload

@@ -32,6 +32,7 @@ from gymnasium.vector import VectorEnv
 
 __all__ = [
     "BatchedInfoLog",
+    "Column",
     "InfoPayload",
     "InfoRecord",
     "PackedInfos",

@@ -13,7 +13,7 @@ worker's envs: the envs of lost workers re-homed onto it (``on_worker_failure="r
 """
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 from typing_extensions import NotRequired, TypedDict
@@ -238,8 +238,9 @@ class ResultMeta(Empty):
     # On the shared step path: the command counter of the step whose results are in the region.
     step: NotRequired[int]
     # On the shared step path: the layout in which the worker's next steps may put infos like these
-    # in the region ([key, python type, dtype char] per key; see wire/step_region.py).
-    info_layout: NotRequired[list[list[str]]]
+    # in the region ([key, python type, dtype char, shape] per key, [key, "dict", layout] per nested
+    # dict; see wire/step_region.py).
+    info_layout: NotRequired[Sequence[Any]]
 
 
 class RolloutResultMeta(Empty):

@@ -7,7 +7,7 @@ batched over all envs, every field a plain step moves, and one header per worker
 
     [ token | worker 0 header | worker 1 header | ... | actions leaves | observation leaves
       | previous observation leaves | rewards | terminations | truncations
-      | infos (INFO_SLOTS x 8 bytes per env) ]
+      | infos (INFO_BYTES per env) ]
 
     header (two cache lines, each written by one side only):
         command (the learner's):  [counter, call, messages, learner waits]
@@ -36,11 +36,14 @@ an ERROR as on the message path), then sets the status that says so (:data:`MESS
 learner bumps ``messages`` after each message it sends to a worker on the path, so that a
 spinning worker turns to its pipe without a wake-up.
 
-Infos that every env reports at every step, as numbers under the same keys (MuJoCo's
-``x_position``, Atari's ``lives``), go in the region too, in a layout learned from the
-first steps: a worker names the layout in a message that carries such infos, and its
-later steps whose infos fit it write them into its info rows (status ``INFOS``) instead of
-sending a message. Anything else (a new key, another type, a ``final_obs``) is a message.
+Infos that every env reports at every step, as numbers or numeric arrays under the same
+keys (MuJoCo's ``x_position``, Atari's ``lives`` and ``ram``), in nested dicts too (EnvPool's
+``players``), go in the region too, in a layout learned from the first steps: a worker
+names the layout in a message that carries such infos, and its later steps whose infos fit
+it write them into its info rows (status ``INFOS``) instead of sending a message. The
+learner reads back the very columns the message would have carried
+(:mod:`clusterenv.wire.infos`), so both paths merge them alike. Anything else (a new key,
+another type, a key some envs lack, a ``final_obs``) is a message.
 
 Observations are the learner's batch itself: the worker's envs write them in place. Nothing
 in the region is ever unpickled; its layout follows from the spaces alone, and a worker maps
@@ -53,6 +56,7 @@ kill the learner with ``SIGBUS``), or where there is no memfd an unlinked file
 
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 import os
@@ -66,7 +70,7 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
-from clusterenv.wire.infos import InfoPayload, PackedInfos
+from clusterenv.wire.infos import Column, InfoPayload, PackedInfos
 from clusterenv.wire.leaves import is_array_tree, leaf_specs, unflatten
 from clusterenv.wire.messages import StepRegionMeta
 from clusterenv.wire.region_file import open_region_file
@@ -75,7 +79,8 @@ __all__ = [
     "DONE",
     "FINAL",
     "INFOS",
-    "INFO_SLOTS",
+    "INFO_BYTES",
+    "NESTED",
     "MESSAGE",
     "STEPPING",
     "COUNTER",
@@ -84,6 +89,7 @@ __all__ = [
     "LEARNER_WAITS",
     "STATUS",
     "WORKER_WAITS",
+    "InfoKey",
     "InfoLayout",
     "fence",
     "check_layout",
@@ -118,16 +124,23 @@ COUNTER, CALL, MESSAGES, LEARNER_WAITS = 0, 1, 2, 3
 #: status, and whether the worker waits blocked for its next command.
 STATUS, WORKER_WAITS = 1, 2
 
-#: Info keys per env the region holds, each in 8 bytes: scalars that every env reports at every step
-#: (MuJoCo's ``x_position``, Atari's ``lives``). Other infos travel as messages.
-INFO_SLOTS = 8
-_SLOT_BYTES = 8
-#: How one key of a layout came to the worker: ``(key, python type, dtype char)``, as ``pack_infos`` packs it.
-InfoLayout = tuple[tuple[str, str, str], ...]
+#: Bytes of infos per env the region holds: numbers and numeric arrays that every env reports at every
+#: step (MuJoCo's ``x_position``, Atari's ``lives`` and 128 bytes of ``ram``), each key from an 8-byte
+#: boundary. Infos that need more travel as messages.
+INFO_BYTES = 256
+_INFO_ALIGN = 8
+#: A layout's python type of a nested dict.
+NESTED = "dict"
+#: One key of a layout, as ``pack_infos`` packs it: ``(key, python type, dtype char, shape)`` for
+#: numbers and numeric arrays, ``(key, NESTED, layout)`` for a dict of such keys.
+InfoKey = tuple[str, str, str, tuple[int, ...]] | tuple[str, str, "InfoLayout"]
+#: The keys of a slice's infos in the order their columns come, as the info rows hold them.
+InfoLayout = tuple[InfoKey, ...]
 
 _ALIGN = 64
 _TOKEN_BYTES = 16
 _SCALAR_TYPES = ("int", "float", "bool", "numpy")
+_NUMBER_TYPES = (*_SCALAR_TYPES, "ndarray")
 _HEADER_BYTES = 2 * _ALIGN  # the command's cache line and the reply's: each side writes its own
 
 #: One field of the region: ``(name, offset, dtype, batched shape)``.
@@ -156,7 +169,7 @@ def region_layout(
     add("rewards", np.dtype(np.float64), ())
     add("terminations", np.dtype(np.bool_), ())
     add("truncations", np.dtype(np.bool_), ())
-    add("infos", np.dtype(np.uint8), (INFO_SLOTS * _SLOT_BYTES,))
+    add("infos", np.dtype(np.uint8), (INFO_BYTES,))
     return fields, offset
 
 
@@ -175,7 +188,7 @@ class WorkerRows:
         actions, observations: leaf arrays of the worker's rows.
         previous: leaf arrays of the observations the worker had when its step in flight began.
         rewards, terminations, truncations: the worker's rows.
-        infos: the worker's info rows: ``INFO_SLOTS`` values of 8 bytes per env (raw).
+        infos: the worker's info rows: ``INFO_BYTES`` per env (raw, in the layout the worker named).
     """
 
     command: memoryview
@@ -338,49 +351,112 @@ def attach_rows(
 def info_layout(payload: InfoPayload) -> InfoLayout | None:
     """The layout that puts a slice's packed infos in the region, or ``None`` if they do not fit one.
 
-    They fit when every env of the slice reports the same keys, each a number (a Python
-    ``int``/``float``/``bool`` or a numpy scalar) of 8 bytes or fewer, and there are at most
-    ``INFO_SLOTS`` keys.
+    They fit when every env of the slice reports the same keys, at every level of nesting,
+    each a number (a Python ``int``/``float``/``bool`` or a numpy scalar), a numeric array of
+    one dtype and shape, or a dict of such keys (EnvPool's ``players``), and their values take
+    ``INFO_BYTES`` or fewer per env.
     """
-    if isinstance(payload, list) or len(payload[1]) > INFO_SLOTS:
+    if isinstance(payload, list):
         return None
-    layout = []
-    for key, kind, rows, data in payload[1]:
-        if kind != "n" or rows or data[2] != () or data[0] not in _SCALAR_TYPES or np.dtype(data[1]).itemsize > 8:
+    layout = _layout_of(payload[1])
+    return layout if layout is not None and _row_bytes(layout) <= INFO_BYTES else None
+
+
+def _layout_of(columns: tuple[Column, ...]) -> InfoLayout | None:
+    layout: list[InfoKey] = []
+    for key, kind, rows, data in columns:
+        if rows:  # not every env has the key: its mask would have to travel too
             return None
-        layout.append((key, data[0], data[1]))
+        if kind == "d":
+            nested = _layout_of(data)
+            if nested is None:
+                return None
+            layout.append((key, NESTED, nested))
+        elif kind == "n" and data[0] in _NUMBER_TYPES:
+            layout.append((key, data[0], data[1], data[2]))
+        else:
+            return None
     return tuple(layout)
 
 
 def check_layout(layout: Any) -> InfoLayout:
     """A layout a worker named, checked (``ValueError`` unless it is one :func:`info_layout` could give)."""
     try:
-        checked = tuple((str(key), str(kind), str(char)) for key, kind, char in layout)
-        ok = len(checked) <= INFO_SLOTS and all(
-            kind in _SCALAR_TYPES and np.dtype(char).kind in "biufc" and np.dtype(char).itemsize <= 8
-            for _, kind, char in checked
-        )
-    except (TypeError, ValueError):
+        checked = _checked(layout)
+        ok = _row_bytes(checked) <= INFO_BYTES
+    except (TypeError, ValueError, RecursionError):
         ok = False
     if not ok:
         raise ValueError(f"Not an info layout: {layout!r}.")
     return checked
 
 
+def _checked(layout: Any) -> InfoLayout:
+    if not isinstance(layout, (list, tuple)):
+        raise TypeError("a layout is a sequence of keys")
+    checked: list[InfoKey] = []
+    for entry in layout:
+        if not isinstance(entry, (list, tuple)) or len(entry) < 3:
+            raise TypeError("a layout's key is a sequence of 3 or 4 fields")
+        key, python_type = str(entry[0]), str(entry[1])
+        if python_type == NESTED and len(entry) == 3:
+            checked.append((key, NESTED, _checked(entry[2])))
+            continue
+        if len(entry) != 4:
+            raise ValueError("a number's key has 4 fields")
+        char, shape = str(entry[2]), tuple(int(n) for n in entry[3])
+        scalar = python_type in _SCALAR_TYPES and shape == ()
+        if not (scalar or python_type == "ndarray") or np.dtype(char).kind not in "biufc" or min(shape, default=0) < 0:
+            raise ValueError("not a number nor a numeric array")
+        checked.append((key, python_type, char, shape))
+    return tuple(checked)
+
+
+@functools.lru_cache(maxsize=256)
+def _width(char: str, shape: tuple[int, ...]) -> int:
+    """Bytes per env of a key's values."""
+    return np.dtype(char).itemsize * math.prod(shape)
+
+
+def _slot(width: int) -> int:
+    """Bytes per env that a key of ``width`` bytes takes in the info rows (each key starts 8-byte aligned)."""
+    return -(-width // _INFO_ALIGN) * _INFO_ALIGN
+
+
+def _row_bytes(layout: InfoLayout) -> int:
+    return sum(_row_bytes(entry[2]) if len(entry) == 3 else _slot(_width(entry[2], entry[3])) for entry in layout)
+
+
 def write_infos(rows: np.ndarray, payload: PackedInfos) -> None:
     """Write a slice's packed infos (that :func:`info_layout` fits) into its info ``rows``."""
-    size = len(rows)
-    for slot, (_, _, _, (_, char, _, raw)) in enumerate(payload[1]):
-        itemsize = np.dtype(char).itemsize
-        start = slot * _SLOT_BYTES
-        rows[:, start : start + itemsize] = np.frombuffer(raw, dtype=np.uint8).reshape(size, itemsize)
+    _write(rows, payload[1], 0)
+
+
+def _write(rows: np.ndarray, columns: tuple[Column, ...], start: int) -> int:
+    for _, kind, _, data in columns:
+        if kind == "d":
+            start = _write(rows, data, start)
+            continue
+        width = _width(data[1], data[2])
+        rows[:, start : start + width] = np.frombuffer(data[3], dtype=np.uint8).reshape(len(rows), width)
+        start += _slot(width)
+    return start
 
 
 def read_infos(rows: np.ndarray, layout: InfoLayout) -> PackedInfos:
     """The packed infos that info ``rows`` hold in ``layout``: what the worker's message would have carried."""
-    columns = []
-    for slot, (key, kind, char) in enumerate(layout):
-        start = slot * _SLOT_BYTES
-        raw = rows[:, start : start + np.dtype(char).itemsize].tobytes()
-        columns.append((key, "n", b"", (kind, char, (), raw)))
-    return len(rows), tuple(columns)
+    return len(rows), _read(rows, layout, 0)[0]
+
+
+def _read(rows: np.ndarray, layout: InfoLayout, start: int) -> tuple[tuple[Column, ...], int]:
+    columns: list[Column] = []
+    for entry in layout:
+        if len(entry) == 3:
+            nested, start = _read(rows, entry[2], start)
+            columns.append((entry[0], "d", b"", nested))
+            continue
+        key, python_type, char, shape = entry
+        width = _width(char, shape)
+        columns.append((key, "n", b"", (python_type, char, shape, rows[:, start : start + width].tobytes())))
+        start += _slot(width)
+    return tuple(columns), start

@@ -3,9 +3,10 @@
 After SHARE_STEP, the worker's envs write their observations into the learner's batch in
 the region, and a new command counter in its header is a STEP whose actions are in the
 worker's rows. The worker steps its envs exactly as for a STEP message, writes rewards and
-flags into its rows and sets its reply status; only a step with something the region has
-no place for (infos, a usage report) sends a message first, with the infos the message path
-would have sent. An error is an ERROR message, as on the message path.
+flags (and infos that fit the layout it named) into its rows and sets its reply status;
+only a step with something the region has no place for (other infos, a new layout, a usage
+report) sends a message first, with the infos the message path would have sent. An error
+is an ERROR message, as on the message path.
 
 Between steps the worker spins on its command counter for a while
 (:class:`~clusterenv.wire.waiting.SpinBudget`) and steps again as soon as it changes, with
@@ -209,7 +210,7 @@ class _SharedStepper:
         if usage is not None:
             meta["usage"] = usage
         if layout is not None and layout != self.layout:  # from the next step on, such infos go in the region
-            meta["info_layout"] = [list(key) for key in layout]
+            meta["info_layout"] = layout  # msgpack writes its tuples as lists; the learner checks them
             self.layout = layout
         return Message(Kind.RESULT, meta, [], [dumps(payload) if payload is not None else b""])
 
