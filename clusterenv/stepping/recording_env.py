@@ -26,7 +26,7 @@ from gymnasium.vector.utils import batch_space, concatenate, create_empty_array
 from gymnasium.wrappers import OrderEnforcing
 
 from clusterenv.stepping.env_errors import ResettingEnv
-from clusterenv.stepping.failures import EnvTracker, TrackedEnvs
+from clusterenv.stepping.failures import EnvTracker, TimedEnvs, TrackedEnvs
 from clusterenv.stepping.step_clock import StepClock
 from clusterenv.wire import shared_memory
 from clusterenv.wire.infos import InfoRecord
@@ -61,6 +61,7 @@ class RecordingVectorEnv(SyncVectorEnv):
 
     info_log: list[InfoRecord]
     envs: TrackedEnvs  # tells the worker's EnvTracker which env its loops reached (build() sets it)
+    _timed: TimedEnvs  # the same envs, handed to a timed batch step (build() sets it)
 
     @property
     def step_clock(self) -> StepClock:
@@ -68,12 +69,16 @@ class RecordingVectorEnv(SyncVectorEnv):
         return self.envs.tracker.clock
 
     def step(self, actions: Any) -> Any:
-        """``SyncVectorEnv.step``, each env's step timed."""
-        self.step_clock.start()
+        """``SyncVectorEnv.step``; in a sampled batch step, each env's step timed."""
+        clock = self.envs.tracker.clock
+        if not clock.start():  # the others pay no clock read, and no Python call per env indexed
+            return super().step(actions)
+        tracked, self.envs = self.envs, self._timed
         try:
             return super().step(actions)
         finally:
-            self.step_clock.stop()
+            self.envs = tracked
+            clock.stop()
 
     def _add_info(self, vector_infos: dict[str, Any], env_info: dict[str, Any], env_num: int) -> dict[str, Any]:
         if env_info:
@@ -159,6 +164,7 @@ class RecordingVectorEnv(SyncVectorEnv):
         results = []
         for i in range(self.num_envs) if indices is None else indices:
             env = self.envs[i]
+            self.envs.tracker.reached = i
             if name is None:
                 results.append(args[0](user_env(env)))
             else:
@@ -173,6 +179,7 @@ class RecordingVectorEnv(SyncVectorEnv):
             return
         for i, value in zip(indices, values, strict=True):
             env = self.envs[i]
+            self.envs.tracker.reached = i
             env.set_wrapper_attr(name, value)
 
     def description(self) -> dict[str, Any]:
@@ -310,6 +317,7 @@ def build_from(
         autoreset_mode=autoreset_mode,
     )
     vector.envs = TrackedEnvs(vector.envs, tracker)
+    vector._timed = TimedEnvs(vector.envs, tracker)
     vector.info_log = []
     return vector
 

@@ -1,7 +1,7 @@
 """How long each env step takes, measured in the process that steps the env.
 
-``SyncVectorEnv`` reaches each env through its ``envs`` list just before stepping it (the
-worker keeps that list as a :class:`~clusterenv.stepping.failures.TrackedEnvs`), so the time
+``SyncVectorEnv`` reaches each env through its ``envs`` list just before stepping it (for a
+timed batch step, the worker hands it a :class:`~clusterenv.stepping.failures.TimedEnvs`), so the time
 from reaching one env to reaching the next is that env's step, plus Gymnasium's few µs of
 bookkeeping for it; the last env's ends when the batch step returns. An autoreset inside a
 step (``SAME_STEP``) is timed as a step of its own. One batch step in :data:`SAMPLE_EVERY` is
@@ -48,10 +48,11 @@ class StepClock:
             self.samples.append(now - self._last)
         self._last = now
 
-    def start(self) -> None:
-        """A batch step begins: timed if it is one of the sampled."""
+    def start(self) -> bool:
+        """A batch step begins: whether it is timed (one of the sampled)."""
         self.running, self._last = self._batches % SAMPLE_EVERY == 0, None
         self._batches += 1
+        return self.running
 
     def stop(self) -> None:
         """The batch step ended: so did its last env's step."""
