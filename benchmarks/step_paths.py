@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from clusterenv import ClusterEnv
-from clusterenv.learner.pool import _SHARED
+from clusterenv.learner.outbox import SHARED
 from clusterenv.wire.protocol import Kind
 from clusterenv.wire.step_region import DONE, INFOS, MESSAGE, STATUS, STEPPING
 
@@ -39,15 +39,15 @@ class PathCount:
         self.replies: Counter[str] = Counter()
         self.step_commands: Counter[str] = Counter()
         self._sent = sum(pool._channel.sent.values())
-        encode = pool._encode
+        encode = pool.outbox.encode
 
         def counted(worker_id: int, kind: Kind, *rest: Any) -> Any:
             frames = encode(worker_id, kind, *rest)
             if kind is Kind.STEP:
-                self.step_commands["region" if frames is _SHARED else "message"] += 1
+                self.step_commands["region" if frames is SHARED else "message"] += 1
             return frames
 
-        pool._encode = counted  # an instance attribute: send_each finds it first
+        pool.outbox.encode = counted  # an instance attribute: send_each finds it first
         #: Why replies were messages: ``usage`` (the once-a-second report), ``info_layout`` (infos of a new layout).
         self.message_reasons: Counter[str] = Counter()
         path = pool.step_path
@@ -77,7 +77,7 @@ class PathCount:
 
     def close(self) -> dict[str, Any]:
         """Stop counting; the counts: worker replies by status, STEP commands by path, messages the learner sent."""
-        del self._pool._encode
+        del self._pool.outbox.encode
         if self._pool.step_path is not None:
             del self._pool.step_path.completed
         return {

@@ -27,7 +27,7 @@ from clusterenv.wire.contract import vector_spaces
 from clusterenv.wire.messages import EnvsMeta, PlaceMeta
 from clusterenv.wire.protocol import Kind
 
-__all__ = ["BuiltEnvs", "build_envs"]
+__all__ = ["BuiltEnvs", "build_envs", "envs_served"]
 
 
 @dataclass(frozen=True)
@@ -147,6 +147,17 @@ def build_envs(
         units=units,
         autoreset_mode=mode,
     )
+
+
+def envs_served(serves: list[int], slices: list[slice], units: list[slice]) -> dict[str, Any]:
+    """The envs a worker process steps for the workers it ``serves``: ``env_ids``; ``units`` as ``(first, last)``.
+
+    ``slices``: each worker's envs; ``units``: each entry of ``env_fns``'s envs.
+    """
+    return {
+        "env_ids": [i for w in serves for i in range(slices[w].start, slices[w].stop)],
+        "units": [(u.start, u.stop - 1) for w in serves for u in units if slices[w].start <= u.start < slices[w].stop],
+    }
 
 
 def _entry_slices(descriptions: list[dict[str, Any]]) -> list[slice]:

@@ -12,9 +12,12 @@ import time
 from typing import Any
 
 import numpy as np
+from gymnasium.error import NoAsyncCallError
 
 from clusterenv.errors import WorkerTimeoutError
+from clusterenv.learner.cuts import Cut, CutLedger
 from clusterenv.learner.pool import FollowUp, OnLoss, WorkerPool
+from clusterenv.learner.recycling import Recycler
 from clusterenv.learner.step_buffers import BatchBuffers, restarted_records
 from clusterenv.wire.infos import merge_infos, records_of
 from clusterenv.wire.messages import ResetMeta
@@ -106,13 +109,33 @@ class FirstReady:
                 "send() takes the envs that recv() returned."
             )
 
-    @staticmethod
-    def step_commands(leaves: list[np.ndarray], plan: Plan) -> dict[int, Any]:
-        """The STEP command of each worker in ``plan``; ``leaves`` are the checked actions, one row per env."""
-        return {w: (None, [leaf[rows] for leaf in leaves], ()) for w, rows in plan}
+    def send(self, pool: WorkerPool, leaves: list[np.ndarray], plan: Plan, recycler: Recycler | None) -> None:
+        """Step the workers of ``plan`` with their rows of the checked action ``leaves``, without waiting.
 
-    def wait(self, pool: WorkerPool, needed: int, timeout: float | None) -> list[tuple[int, str, Message]]:
-        """The replies of the first ``needed`` workers to be ready, in the order they replied."""
+        A replacement's envs are reset by the restart hook, and recv() reports their cut episodes;
+        a moved worker's (rebalance, recycling) are reset here instead of stepped, and reported the same way.
+        """
+        cuts = pool.cuts
+        if recycler is not None:
+            recycler.before_step([w for w, _ in plan], cuts, self._slices)
+        moved = cuts.take(w for w, _ in plan)
+        stepping = [(w, rows) for w, rows in plan if w not in moved]
+        commands = {w: (None, [leaf[rows] for leaf in leaves], ()) for w, rows in stepping}
+        pool.send_each(Kind.STEP, commands, OnLoss.REISSUE)
+        self.in_flight.update((w, "step") for w, _ in stepping)
+        for w in moved:
+            self._reset_moved(pool, w)
+
+    def wait(
+        self, pool: WorkerPool, needed: int, batch_size: int, timeout: float | None
+    ) -> list[tuple[int, str, Message]]:
+        """The replies of the first ``needed`` workers to be ready (``batch_size`` envs), in the order they replied."""
+        if len(self.busy_workers()) < needed:
+            raise NoAsyncCallError(
+                f"recv() returns batch_size={batch_size} envs, but only {self.envs_in_flight()} "
+                "are in flight: send() actions for more envs first.",
+                "step",
+            )
         deadline = None if timeout is None else time.monotonic() + timeout
         while len(self._arrived) < needed:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -153,6 +176,18 @@ class FirstReady:
         self._returned = (env_ids.copy(), plan)  # a copy: the caller may write into the env_ids it gets
         return buffers.rows(env_ids), rewards, terminations, truncations, infos, env_ids
 
+    def restart_hook(self, worker_id: int, cuts: CutLedger, cut: Cut) -> list[FollowUp]:
+        """What a replaced (or re-homed, ``cut``) worker's fresh envs need: reset now, or their cut recorded.
+
+        Lost while its envs were in the caller's hands (recv() returned them), the next send()
+        resets the fresh envs instead of stepping them, and recv() reports the cut.
+        """
+        if worker_id in self.in_flight:
+            return self.reset_replacement(worker_id)
+        if self.busy_workers():
+            cuts.record(worker_id, cut)
+        return []
+
     def reset_replacement(self, worker_id: int) -> list[FollowUp]:
         """For a restart hook: a replacement for a worker lost mid-``send`` is reset, and recv() reports the cut.
 
@@ -167,7 +202,7 @@ class FirstReady:
         self.in_flight[worker_id] = "restarted"
         return FollowUp(Kind.RESET, ResetMeta(seeds=[None] * (sl.stop - sl.start), mask=None), on_loss=OnLoss.REPLAY)
 
-    def reset_moved(self, pool: WorkerPool, worker_id: int) -> None:
+    def _reset_moved(self, pool: WorkerPool, worker_id: int) -> None:
         """Reset the fresh envs of a moved worker now (see :meth:`fresh_reset`)."""
         reset = self.fresh_reset(worker_id)
         pool.send(worker_id, reset.kind, reset.meta, on_loss=reset.on_loss)

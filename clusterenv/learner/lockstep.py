@@ -123,10 +123,4 @@ class Lockstep:
             if answer == INFOS:
                 infos = merge_infos(infos, path.infos_in_rows(worker_id), self._num_envs, self._offsets[worker_id])
         pool.took_shared_step()
-        return (
-            buffers.observation_batch(self._copy),
-            buffers.rewards.copy(),
-            buffers.terminations.copy(),
-            buffers.truncations.copy(),
-            infos,
-        )
+        return buffers.step_batch(self._copy, infos)

@@ -6,12 +6,14 @@ sequence number (a reply counts only if it answers the current call), and the tr
 of remote errors, timeouts and lost workers into exceptions.
 :class:`~clusterenv.learner.vector_env.ClusterEnv` builds the commands and reads the replies.
 
-It holds two parts, each with its own state: :attr:`WorkerPool.members`
+It holds three parts, each with its own state: :attr:`WorkerPool.members`
 (:class:`~clusterenv.learner.membership.Membership`: joining, which process serves which
-worker, where envs should move) and :attr:`WorkerPool.recovery`
-(:class:`~clusterenv.learner.recovery.Recovery`: what a lost worker means, as a plan). The
-pool does the messaging itself, in one receive loop (:meth:`WorkerPool._await`) that serves
-``gather``, ``receive`` and the carrying out of recovery plans and moves; no call re-enters it.
+worker, where envs should move), :attr:`WorkerPool.recovery`
+(:class:`~clusterenv.learner.recovery.Recovery`: what a lost worker means, as a plan) and
+:attr:`WorkerPool.outbox` (:class:`~clusterenv.learner.outbox.Outbox`: commands on their way
+out, each worker's latest). The pool receives itself, in one loop (:meth:`WorkerPool._await`)
+that serves ``gather``, ``receive`` and the carrying out of recovery plans and moves; no call
+re-enters it. Closing is :mod:`clusterenv.learner.shutdown`'s.
 """
 
 from __future__ import annotations
@@ -30,12 +32,14 @@ import zmq
 
 from clusterenv.errors import ClusterEnvError, ProtocolError, WorkerStartError, WorkerTimeoutError
 from clusterenv.launch.launchers import Launcher, LocalLauncher, resolve_launcher
-from clusterenv.learner.commands import Command, FollowUp, OnLoss, SentCommand
+from clusterenv.learner.commands import Command, FollowUp, OnLoss
 from clusterenv.learner.cuts import Cut, CutLedger
 from clusterenv.learner.heartbeat_monitor import LIVENESS_POLL_S, HeartbeatMonitor
 from clusterenv.learner.membership import Membership, Received
+from clusterenv.learner.outbox import Outbox
 from clusterenv.learner.recovery import LOST_AGAIN, Action, Recovery, Step, remote_error
 from clusterenv.learner.shared_steps import NOT_YET, SharedSteps
+from clusterenv.learner.shutdown import close_workers, shutdown
 from clusterenv.learner.timing import StepTiming
 from clusterenv.wire.cleanup import remove_stale_dirs
 from clusterenv.wire.liveness import Heartbeat, heartbeat_address
@@ -62,20 +66,12 @@ logger = logging.getLogger(__name__)
 _MAX_EARLY_HELLOS = 64
 # Messages dropped (strays, replies to earlier calls) in one receive step before the caller checks its deadline.
 _MAX_DROPS_PER_WAIT = 64
-# How long close() waits for workers to exit before killing them, unless told otherwise.
-_CLOSE_GRACE_S = 5.0
-# Lets a CLOSE queued for a connected worker leave before the socket goes; peers that are gone hold nothing up.
-_CLOSE_LINGER_MS = 500
 #: How many of each worker's recent replies ``worker_info``'s latency percentiles cover.
 LATENCY_WINDOW = 256
 
 #: Called with a worker's id once its envs were rebuilt in a new process or another host; returns
 #: what that process needs before the worker's pending command is recovered (see ``FollowUp``).
 RestartHook = Callable[[int], Iterable[FollowUp] | None]
-_SHARED: list[Any] = []  # send_each's mark for a command that goes into the step region, not onto the wire
-# What send_shared() records as each worker's command: a lockstep step, whose loss cuts the episodes; its actions
-# are the batch's, kept once (WorkerPool._shared_actions) for an interrupted send.
-_SHARED_STEP = SentCommand(Kind.STEP, None, (), (), OnLoss.INTERRUPT)
 _R = TypeVar("_R")
 
 
@@ -191,9 +187,7 @@ class WorkerPool:
             monitor=self._monitor,
             describe_work=describe_work,
         )
-        self._last_sent: dict[int, SentCommand] = {}
-        self._sent_at: dict[int, float] = {}  # when each worker was last sent a command
-        # Seconds from that command to the reply, per worker.
+        # Seconds from each worker's latest command to its reply.
         self._latencies: collections.defaultdict[int, collections.deque[float]] = collections.defaultdict(
             lambda: collections.deque(maxlen=LATENCY_WINDOW)
         )
@@ -202,22 +196,28 @@ class WorkerPool:
         #: The workers whose envs' episodes were cut and not yet reported (a lost worker's
         #: interrupted step here; recycling and rebalancing there), for the stepping modes to report.
         self.cuts = CutLedger()
-        self._awaiting: set[int] = set()  # workers whose latest command has had no reply yet
-        # The current call's commands recorded but not yet delivered, and the replies taken but not yet
-        # returned: a gather interrupted anywhere (Ctrl-C) leaves both here, and the next one goes on from them.
-        # Worker → the channel's count of messages sent to it before its command (None: into the step region).
-        self._unsent: dict[int, int | None] = {}
-        self._shared_actions: Sequence[np.ndarray] = ()  # the batch's actions of the last send_shared()
+        # The replies taken but not yet returned: a gather interrupted anywhere (Ctrl-C) leaves them here (and the
+        # outbox the commands not yet delivered), and the next one goes on from them.
         self._replies: dict[int, Message] = {}
         self._failed: set[int] = set()  # workers found lost, until recovery gives them a new host
+        #: The commands on their way out, and each worker's latest one (what recovery reads).
+        self.outbox = Outbox(
+            self._channel,
+            self.members,
+            self.recovery,
+            self.timing,
+            self._fatal,
+            self._failed.add,
+            lambda: self.step_path,
+            num_workers,
+        )
         # Replies of the current call that arrived while a gather waited for others (streaming calls).
         self._stash: list[tuple[int, Message]] = []
         self._liveness_due = 0.0  # when receive() next checks every worker's liveness
         self._socket_due = 0.0  # when gather() next leaves a whole call to _await, which reads the socket too
         #: The shared step path of the workers on this host (:meth:`share_steps`), if there is one.
         self.step_path: SharedSteps | None = None
-        self._every_worker = _EveryWorker(range(num_workers))
-        self._finalizer = weakref.finalize(self, _shutdown, self.launcher, self._monitor, self._channel, self._context)
+        self._finalizer = weakref.finalize(self, shutdown, self.launcher, self._monitor, self._channel, self._context)
 
     @property
     def heartbeat_endpoint(self) -> str:
@@ -324,7 +324,8 @@ class WorkerPool:
             doing = f"rebuilding the envs of worker {worker_id} in worker {target}"
             lost = self._rebuild(worker_id, doing)
             if lost:  # the new host was lost while building them: recovered as any loss, nothing pending
-                self._carry_out(self.recovery.plan(lost, self._last_sent, idle=lost), {}, doing)
+                self._carry_out(self.recovery.plan(lost, self.outbox.last_sent, idle=lost), {}, doing)
+            self.cuts.record(worker_id, Cut.MOVED)
             moved.append(worker_id)
         return moved
 
@@ -333,7 +334,7 @@ class WorkerPool:
         """Start a new call: replies to earlier ones are ignored from now on."""
         self.seq += 1
         self._stash.clear()
-        self._unsent.clear()
+        self.outbox.new_call()
         self._replies.clear()
         return self.seq
 
@@ -361,104 +362,12 @@ class WorkerPool:
         weights answering its pull, the learner's probe outputs), which is recovered as that
         command declared.
         """
-        members = self.members
-        encoded = [
-            # None: its process was given up (rehome): the gather that follows moves the worker
-            (w, None if members.serving[w] in members.retired else self._encode(w, kind, meta, arrays, blobs))
-            for w, (meta, arrays, blobs) in commands.items()
-        ]
-        sent_at = time.monotonic()
-        if kind is Kind.STEP:
-            self.timing.start()
-        # Every command is recorded before the first leaves: if sending is interrupted (Ctrl-C), the gather
-        # that follows delivers the rest (_deliver_unsent).
-        for (worker_id, frames), (meta, arrays, blobs) in zip(encoded, commands.values(), strict=True):
-            if on_loss is not None:  # a command, not a message that serves one (weights, probe outputs)
-                self._last_sent[worker_id] = SentCommand(kind, meta, arrays, blobs, on_loss)
-                self._sent_at[worker_id] = sent_at
-                self._awaiting.add(worker_id)
-            if frames is None:
-                self._failed.add(worker_id)
-            else:
-                self._unsent[worker_id] = (
-                    None if frames is _SHARED else self._channel.sent[members.identities[worker_id]]
-                )
-        for (worker_id, frames), (_, arrays, _) in zip(encoded, commands.values(), strict=True):
-            if frames is not None:
-                self._deliver(worker_id, frames, kind, arrays)
-
-    def _deliver(self, worker_id: int, frames: list[Any], kind: Kind, arrays: Sequence[np.ndarray]) -> None:
-        """Send one encoded command (``_SHARED``: its ``arrays`` into the step region); a worker found gone is lost."""
-        path, members = self.step_path, self.members
-        try:
-            if frames is _SHARED:
-                assert path is not None
-                path.send(worker_id, arrays, self.seq)
-            else:
-                self._channel.send_frames(frames, to=members.identities[worker_id])
-                if path is not None:
-                    path.announce(members.serving[worker_id])
-        except ProtocolError as exc:  # a worker that does not drain its wake channel
-            raise self._fatal(exc) from None
-        except zmq.ZMQError as exc:
-            if self.recovery.on_worker_failure == "raise":
-                raise self._fatal(self.recovery.lost_error(worker_id, f"sending {kind.name}")) from exc
-            logger.warning("Worker %d is unreachable (%s); it is taken as lost.", worker_id, str(exc))
-            self._failed.add(worker_id)
-        self._unsent.pop(worker_id, None)
-
-    def _went_out(self, worker_id: int) -> bool:
-        """Whether worker ``worker_id``'s unsent command went out after all: on the channel, or into the region."""
-        mark, path = self._unsent[worker_id], self.step_path
-        if mark is None:  # into the step region: finished there if it was recorded
-            return path is not None and path.resume(worker_id, self.seq)
-        return self._channel.sent[self.members.identities[worker_id]] > mark
-
-    def _deliver_unsent(self, worker_ids: set[int]) -> None:
-        """Deliver the commands of ``worker_ids`` that an interrupted send left recorded but not sent."""
-        for worker_id in sorted(worker_ids & self._unsent.keys()):
-            if self._went_out(worker_id):
-                self._unsent.pop(worker_id)
-                continue
-            sent = self._last_sent[worker_id]
-            arrays = sent.arrays
-            if sent is _SHARED_STEP:  # a lockstep step on the shared path: its actions are the batch's
-                assert self.step_path is not None
-                arrays = [leaf[self.step_path.region.slices[worker_id]] for leaf in self._shared_actions]
-            frames = self._encode(worker_id, sent.kind, sent.meta, arrays, sent.blobs)
-            self._deliver(worker_id, frames, sent.kind, arrays)
-
-    def _encode(
-        self,
-        worker_id: int,
-        kind: Kind,
-        meta: Mapping[str, Any] | None,
-        arrays: Sequence[np.ndarray],
-        blobs: Sequence[bytes],
-    ) -> list[Any]:
-        """A command's frames, or ``_SHARED`` for a plain step that goes into the step region."""
-        path = self.step_path
-        if (
-            kind is Kind.STEP
-            and path is not None
-            and worker_id in path.on_path
-            and not blobs
-            and not meta
-            and path.takes(arrays, worker_id)
-        ):
-            return _SHARED
-        return self._channel.frames(
-            kind, self._header(worker_id, meta), arrays, blobs, to=self.members.identities[worker_id]
-        )
+        self.outbox.send_each(kind, commands, on_loss, self.seq)
 
     def can_step_shared(self) -> bool:
         """Whether a lockstep step of every worker can go through the shared step path alone (:meth:`send_shared`)."""
         path = self.step_path
         return path is not None and path.everyone and not self._failed and not self._unread and not self.cuts
-
-    def takes_shared(self, actions: Sequence[np.ndarray]) -> bool:
-        """Whether the batch's ``actions`` can go into the step region as they are (see :meth:`send_shared`)."""
-        return self.step_path is not None and self.step_path.takes(actions)
 
     def send_shared(self, actions: Sequence[np.ndarray]) -> None:
         """A lockstep STEP to every worker, all on the shared step path: what ``send_each`` would do.
@@ -468,26 +377,7 @@ class WorkerPool:
         and for an interrupted send. :meth:`gather` waits for the replies (or
         :class:`~clusterenv.learner.lockstep.Lockstep` reads them from the words).
         """
-        path = self.step_path
-        assert path is not None
-        self.timing.start()
-        self._shared_actions = actions
-        every = self._every_worker
-        self._last_sent.update(every.shared_steps)
-        self._sent_at.update(dict.fromkeys(every.ids, time.monotonic()))
-        self._awaiting.update(every.ids)
-        self._unsent.update(every.into_region)
-        path.write_actions(actions)
-        try:
-            unreachable = path.command_all(self.seq)
-        except ProtocolError as exc:  # a worker that does not drain its wake channel
-            raise self._fatal(exc) from None
-        self._unsent.clear()  # the call's only commands
-        for worker_id in unreachable:
-            if self.recovery.on_worker_failure == "raise":
-                raise self._fatal(self.recovery.lost_error(worker_id, "sending STEP"))
-            logger.warning("Worker %d is unreachable; it is taken as lost.", worker_id)
-            self._failed.add(worker_id)
+        self.outbox.send_shared(actions, self.seq)
 
     def may_wait_on_words(self) -> bool:
         """Whether a lockstep step may read its replies from the words alone (else :meth:`gather` reads the socket).
@@ -499,18 +389,9 @@ class WorkerPool:
 
     def took_shared_step(self) -> None:
         """A lockstep step's replies were all read from the words: its latencies are noted, its batch step ends."""
-        now, ids = time.monotonic(), self._every_worker.ids
-        for worker_id in ids:
-            self._latencies[worker_id].append(now - self._sent_at[worker_id])
-        self._awaiting.difference_update(ids)
+        for worker_id, latency in enumerate(self.outbox.replied_all()):
+            self._latencies[worker_id].append(latency)
         self.timing.finish()
-
-    def _header(self, worker_id: int, meta: Mapping[str, Any] | None) -> dict[str, Any]:
-        """A command's meta as sent: the call number, and the worker's slot if another process serves it."""
-        header = {**(meta or {}), "seq": self.seq}
-        if self.members.serving[worker_id] != worker_id:
-            header["slot"] = worker_id
-        return header
 
     def _worker_of(self, sender: bytes, msg: Message) -> int | None:
         """The worker a message from process ``sender`` speaks for: its own, or the slot it names (if it serves it)."""
@@ -545,13 +426,12 @@ class WorkerPool:
         """
         started, replies = time.monotonic(), self._replies
         pending = {w for w in worker_ids if w not in replies}
-        if self._unsent:
-            self._deliver_unsent(pending)
+        self.outbox.deliver_unsent(pending, self.seq)
         if self.step_path is not None and on_request is None:
             self._await_shared(pending, replies)
         lost = self._await(pending, replies, doing, timeout, on_request, errors_close, started) if pending else set()
         if lost:
-            self._carry_out(self.recovery.plan(lost, self._last_sent), replies, doing)
+            self._carry_out(self.recovery.plan(lost, self.outbox.last_sent), replies, doing)
         gathered, self._replies = replies, {}
         return gathered
 
@@ -587,7 +467,7 @@ class WorkerPool:
                 lost = self._check_alive(set(self.members.identities), doing)
                 if lost:
                     replayed: dict[int, Message] = {}
-                    plan = self.recovery.plan(lost, self._last_sent, idle=lost - self._awaiting)
+                    plan = self.recovery.plan(lost, self.outbox.last_sent, idle=lost - self.outbox.awaiting)
                     self._carry_out(plan, replayed, doing)
                     self._stash.extend(replayed.items())
                 continue
@@ -741,11 +621,10 @@ class WorkerPool:
 
     def _note_reply(self, worker_id: int, msg: Message) -> None:
         """What a reply to the current call tells: its latency, the worker's usage report; it is no longer awaited."""
-        if worker_id in self._sent_at:
-            self._latencies[worker_id].append(time.monotonic() - self._sent_at[worker_id])
+        if (latency := self.outbox.replied(worker_id)) is not None:
+            self._latencies[worker_id].append(latency)
         if "usage" in msg.meta and (usage := usage_report(msg.meta["usage"])) is not None:
             self._usage[worker_id] = usage
-        self._awaiting.discard(worker_id)
 
     def _await_shared(self, pending: set[int], replies: dict[int, Message]) -> None:
         """Take the replies of ``pending`` workers on the shared step path by waiting on their words alone.
@@ -787,7 +666,7 @@ class WorkerPool:
         """Workers among ``worker_ids`` whose process is lost: raised, or returned and marked failed (restart)."""
         lost = self.recovery.lost_among(worker_ids)
         for w in sorted(lost):
-            if self.recovery.raises_at_once(w, self._last_sent.get(w)):
+            if self.recovery.raises_at_once(w, self.outbox.last_sent.get(w)):
                 raise self._fatal(self.recovery.lost_error(w, doing))
         rehome = self.recovery.on_worker_failure == "rehome"
         action = "moving its envs to the other workers" if rehome else "replacing it"
@@ -854,21 +733,9 @@ class WorkerPool:
                 why = f"{LOST_AGAIN} ({exc})"
                 raise self._fatal(self.recovery.lost_error(worker_id, doing, why)) from exc
         else:
-            process = self.members.serving[worker_id]
-            if process not in self.members.retired:
-                self.members.retire(process, self.recovery.how_lost(process))
-            too_few = self.recovery.too_few_survivors(process)  # again: another may have been lost meanwhile
+            too_few = self.recovery.rehome(worker_id)
             if too_few:
                 raise self._fatal(self.recovery.lost_error(worker_id, doing, too_few))
-            target = self.recovery.rehome_target(worker_id)
-            logger.warning(
-                "Moving worker %d's envs (%s) to worker process %d (%s).",
-                worker_id,
-                self.recovery.describe_work(worker_id),
-                target,
-                self.launcher.describe(target),
-            )
-            self.members.assign(worker_id, target)
 
     def _rebuild(self, worker_id: int, doing: str) -> set[int]:
         """Build worker ``worker_id``'s envs where it is served now, send its hooks' follow-ups; the workers lost."""
@@ -903,49 +770,12 @@ class WorkerPool:
         if self.closed:
             return
         self.closed = True
-        deadline = time.monotonic() + (_CLOSE_GRACE_S if grace is None else grace)
-        # Also on terminate: workers this process cannot kill (external, remote) must hear it.
-        # Without blocking: a frozen worker's full queue must not hang close().
-        self._channel.zmq_socket.setsockopt(zmq.SNDTIMEO, 0)
         self.seq += 1
-        for identity, process in self.members.peers.items():
-            try:
-                self._channel.send(Kind.CLOSE, {"seq": self.seq}, to=identity)
-            except zmq.ZMQError:
-                continue  # already gone
-            if self.step_path is not None:  # a worker spinning on its header turns to its pipe at once
-                self.step_path.announce(process)
-        if not terminate:
-            self._await_closed(deadline)
-        self.launcher.stop(0.0 if terminate else max(0.0, deadline - time.monotonic()))
-        if self.step_path is not None:
-            self.step_path.close()
-            self.step_path = None  # with it, the pool's views of the region
+        close_workers(
+            self._channel, self.members, self._monitor, self.launcher, self.step_path, self.seq, grace, terminate
+        )
+        self.step_path = None  # closed there; with it go the pool's views of the region
         self._finalizer()
-
-    def _await_closed(self, deadline: float) -> None:
-        """Wait until ``deadline`` (``time.monotonic()``) for CLOSED from every worker not known to be gone."""
-        pending = set(self.members.peers.values())
-        while pending and time.monotonic() < deadline:
-            received = self._channel.recv(LIVENESS_POLL_S, routed=True)
-            if received is not None:
-                worker_id = None if received[0] is None else self.members.peers.get(received[0])
-                if received[1].kind is Kind.CLOSED and worker_id is not None:
-                    pending.discard(worker_id)
-                continue
-            expired = self._monitor.expired()
-            pending = {w for w in pending if w not in expired and self.launcher.exit_code(w) is None}
-        if pending:
-            logger.warning("Workers %s did not confirm CLOSE within the grace period; ending them.", sorted(pending))
-
-
-class _EveryWorker:
-    """What :meth:`WorkerPool.send_shared` records for every worker, made once rather than per step."""
-
-    def __init__(self, ids: range) -> None:
-        self.ids = ids
-        self.shared_steps = dict.fromkeys(ids, _SHARED_STEP)
-        self.into_region: dict[int, int | None] = dict.fromkeys(ids)
 
 
 def weak_callback(method: Callable[..., _R]) -> Callable[..., _R | None]:
@@ -957,13 +787,3 @@ def weak_callback(method: Callable[..., _R]) -> Callable[..., _R | None]:
         return None if bound is None else bound(*args)
 
     return call
-
-
-def _shutdown(launcher: Launcher, monitor: HeartbeatMonitor, channel: Channel, context: zmq.Context) -> None:
-    """Last-resort cleanup, also run at interpreter exit for pools never closed."""
-    launcher.stop(0.0)
-    if isinstance(launcher, LocalLauncher):
-        launcher.attach_pipe = None  # this channel's: a later ClusterEnv on the same launcher sets its own
-    monitor.close()
-    channel.close(linger=_CLOSE_LINGER_MS)
-    context.term()

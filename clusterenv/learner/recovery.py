@@ -8,11 +8,12 @@ the fewest (``"rehome"``), or raise ``WorkerLostError``. Each step carries the w
 pending command, whose sender declared what a loss means for it
 (:class:`~clusterenv.learner.commands.OnLoss`: replay, interrupt, re-issue, raise).
 
-The pool carries the plan out in its own receive loop: it starts or picks the new host,
-sends the INIT that rebuilds the envs (flagged ``replacement``), the restart hooks'
-follow-ups (a policy runner's weights), and then replays the pending command or records
-the cut. A replacement lost while any of that is under way is one more step of the same
-plan, :meth:`Recovery.lost_again`, which raises: restarts do not loop.
+The pool carries the plan out in its own receive loop: it starts the new host (or has
+:meth:`Recovery.rehome` pick one), sends the INIT that rebuilds the envs (flagged
+``replacement``), the restart hooks' follow-ups (a policy runner's weights), and then
+replays the pending command or records the cut. A replacement lost while any of that is
+under way is one more step of the same plan, :meth:`Recovery.lost_again`, which raises:
+restarts do not loop.
 
 This module also turns an ERROR reply into the exception the caller sees.
 """
@@ -153,9 +154,28 @@ class Recovery:
         """The step for a worker whose replacement (or new host) was lost while it was being recovered."""
         return Step(step.worker_id, Action.RAISE, step.pending, LOST_AGAIN)
 
-    def rehome_target(self, worker_id: int) -> int:
-        """The surviving process that takes worker ``worker_id``'s envs: the one that carries the fewest."""
-        return self._members.least_loaded(self._members.live_processes())
+    def rehome(self, worker_id: int) -> str:
+        """Give worker ``worker_id``'s envs to the surviving process that carries the fewest; why it cannot, or ``""``.
+
+        Its lost process is retired first; the survivors are counted again (another may have
+        been lost since the plan). The pool then rebuilds the envs there.
+        """
+        process = self._members.serving[worker_id]
+        if process not in self._members.retired:
+            self._members.retire(process, self.how_lost(process))
+        too_few = self.too_few_survivors(process)
+        if too_few:
+            return too_few
+        target = self._members.least_loaded(self._members.live_processes())
+        logger.warning(
+            "Moving worker %d's envs (%s) to worker process %d (%s).",
+            worker_id,
+            self.describe_work(worker_id),
+            target,
+            self._launcher.describe(target),
+        )
+        self._members.assign(worker_id, target)
+        return ""
 
     # -- explaining a loss ---------------------------------------------------------------------
     def how_lost(self, process: int) -> str:

@@ -23,11 +23,18 @@ from clusterenv.learner.pool import OnLoss, WorkerPool
 from clusterenv.wire import shared_memory
 from clusterenv.wire.infos import InfoPayload, InfoRecord, merge_infos, replay_infos
 from clusterenv.wire.leaves import is_array_tree, leaf_arrays, unflatten
-from clusterenv.wire.messages import ValueMeta, meta_of
+from clusterenv.wire.messages import ResetMeta, ValueMeta, meta_of
 from clusterenv.wire.protocol import STEP_FIELDS, Kind, Message, step_fields
 from clusterenv.wire.step_region import StepRegion, fits
 
-__all__ = ["WORKER_RESTARTED_KEY", "BatchBuffers", "restarted_records", "share_steps", "share_with_local_workers"]
+__all__ = [
+    "WORKER_RESTARTED_KEY",
+    "BatchBuffers",
+    "report_cuts",
+    "restarted_records",
+    "share_steps",
+    "share_with_local_workers",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +129,18 @@ class BatchBuffers:
             return self.observations.copy()  # what deepcopy does for a numeric array, without its memo bookkeeping
         return deepcopy(self.observations)
 
+    def step_batch(
+        self, copy: bool, infos: dict[str, Any]
+    ) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+        """What ``step`` returns: the observations (see :meth:`observation_batch`), copies of the rest, ``infos``."""
+        return (
+            self.observation_batch(copy),
+            self.rewards.copy(),
+            self.terminations.copy(),
+            self.truncations.copy(),
+            infos,
+        )
+
     def last_observations(self, sl: slice) -> list[Any]:
         """Copies of the observations of envs ``sl``, one per env (the ``final_obs`` of cut episodes)."""
         every = list(iterate(self.batch_space, self.observations)) if self.array_obs else self._env_obs
@@ -163,6 +182,34 @@ class BatchBuffers:
             return unflatten(self.space, [leaf[env_ids] for leaf in self._leaves])
         empty: Any = create_empty_array(self.space, n=len(env_ids), fn=np.zeros)
         return concatenate(self.space, [self._env_obs[i] for i in env_ids], empty)
+
+
+def report_cuts(
+    buffers: BatchBuffers,
+    pool: WorkerPool,
+    slices: list[slice],
+    infos: dict[str, Any],
+    interrupted: list[int],
+    same_step: bool,
+    timeout: float | None,
+) -> dict[str, Any]:
+    """Report the episodes that a worker restart cut short as truncations (docs/guides/fault-tolerance.md).
+
+    Reward 0, ``truncated=True``, ``infos["worker_restarted"]``. SAME_STEP (``same_step``): the envs are reset here
+    (``final_obs`` the last observation received, ``final_info`` empty); NEXT_STEP: the last observation, the next
+    step resets. ``interrupted``: the workers whose envs were cut, ``slices`` their envs.
+    """
+    resets: dict[int, Message] = {}
+    last: dict[int, list[Any]] = {}
+    if same_step:
+        # Taken first: a worker on the shared step path resets into the batch itself.
+        last = {w: buffers.last_observations(slices[w]) for w in interrupted}
+        meta = ResetMeta(seeds=None, mask=None)
+        resets = pool.request(interrupted, Kind.RESET, meta, "resetting a replacement's envs", timeout)
+    for w in interrupted:
+        infos = buffers.cut_short(infos, slices[w], resets.get(w), last.get(w))
+    buffers.finish()
+    return infos
 
 
 def share_with_local_workers(pool: WorkerPool, space: spaces.Space, slices: list[slice], timeout: float) -> Any:

@@ -24,6 +24,7 @@ from clusterenv.wire.leaves import leaf_arrays
 from clusterenv.wire.protocol import MAX_HEADER_INT
 
 __all__ = [
+    "check_autoreset_mode",
     "action_items",
     "check_actions",
     "check_attribute_name",
@@ -59,6 +60,14 @@ def check_choice(name: str, value: Any, choices: Sequence[Any]) -> Any:
         expected = " or ".join(map(repr, choices)) if len(choices) == 2 else f"one of {list(choices)}"
         raise ValueError(f"`{name}` must be {expected}, got {value!r}.")
     return value
+
+
+def check_autoreset_mode(autoreset_mode: Any) -> AutoresetMode | None:
+    """The ``AutoresetMode`` asked for (a mode or its value), or ``None``."""
+    mode = autoreset_mode.value if isinstance(autoreset_mode, AutoresetMode) else autoreset_mode
+    if mode is None:
+        return None
+    return AutoresetMode(check_choice("autoreset_mode", mode, [m.value for m in AutoresetMode]))
 
 
 def check_first_ready(

@@ -5,28 +5,31 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import gymnasium
 import numpy as np
 from gymnasium import Env, spaces
-from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError, ResetNeeded
+from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, ResetNeeded
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.async_vector_env import AsyncState
 
 from clusterenv.launch.launchers import Launcher
-from clusterenv.learner.building import build_envs
+from clusterenv.learner.building import build_envs, envs_served
+from clusterenv.learner.call_state import CallState
 from clusterenv.learner.cuts import Cut
+from clusterenv.learner.env_calls import EnvCalls
 from clusterenv.learner.first_ready import FirstReady, Ready
 from clusterenv.learner.lockstep import Lockstep
 from clusterenv.learner.own_envs import LearnerEnvs
 from clusterenv.learner.pool import Command, FollowUp, OnLoss, WorkerPool, weak_callback
 from clusterenv.learner.recycling import Recycle, Recycler
-from clusterenv.learner.step_buffers import WORKER_RESTARTED_KEY, BatchBuffers
+from clusterenv.learner.step_buffers import WORKER_RESTARTED_KEY, BatchBuffers, report_cuts
 from clusterenv.learner.validation import (
     action_items,
     check_actions,
     check_attribute_name,
+    check_autoreset_mode,
     check_batch_size,
     check_choice,
     check_count,
@@ -44,31 +47,20 @@ from clusterenv.learner.validation import (
     check_seeds,
     check_spin_us,
     default_num_workers,
-    pickle_argument,
     pickle_env_fn,
 )
 from clusterenv.wire.codecs import check_codec
 from clusterenv.wire.contract import (
-    by_part,
-    in_index_order,
     per_env_values,
     split_evenly,
-    values_by_part,
 )
-from clusterenv.wire.leaves import batch_of_items, is_array_tree, leaf_specs, unflatten
+from clusterenv.wire.leaves import is_array_tree, leaf_specs
 from clusterenv.wire.liveness import Heartbeat
-from clusterenv.wire.messages import CallMeta, ResetMeta
 from clusterenv.wire.protocol import Kind, Message
 
 __all__ = ["WORKER_RESTARTED_KEY", "ClusterEnv"]
 
 logger = logging.getLogger(__name__)
-
-
-#: The key of the learner's own envs among the parts of a call (workers are 0, 1, ...).
-OWN = -1
-_NONE: Any = object()  # no part of a call for the learner's own envs
-_V = TypeVar("_V")
 
 
 class ClusterEnv(VectorEnv):
@@ -190,8 +182,7 @@ class ClusterEnv(VectorEnv):
                 only: not with first-ready batches or a ``PolicyRunner`` (docs/guides/dropin.md).
         """
         super().__init__()
-        self._state = AsyncState.DEFAULT
-        self._holder: str | None = None  # an extension holding the pending call (a prefetching runner)
+        self._call = CallState()
         self.closed = True  # until the workers are up, close() has nothing to do
         check_env_fns(env_fns)
         self.num_envs = len(env_fns)  # until the workers report how many envs each entry made (units)
@@ -200,12 +191,7 @@ class ClusterEnv(VectorEnv):
             num_workers = default_num_workers(self.num_envs - own, learner_busy=own > 0)
         self.num_workers = num_workers = check_num_workers(num_workers, self.num_envs - own)
         self.procs_per_worker = check_procs_per_worker(procs_per_worker)
-        mode = autoreset_mode.value if isinstance(autoreset_mode, AutoresetMode) else autoreset_mode
-        asked_mode = (
-            None
-            if mode is None
-            else AutoresetMode(check_choice("autoreset_mode", mode, [m.value for m in AutoresetMode]))
-        )
+        asked_mode = check_autoreset_mode(autoreset_mode)
         observation_mode = check_observation_mode(observation_mode)
         self.copy = copy
         self.shared_memory = check_flag("shared_memory", shared_memory)
@@ -225,8 +211,6 @@ class ClusterEnv(VectorEnv):
         self._batch_size = self.num_envs  # checked once the envs are built: units decide the workers' shares
         self._first_ready = FirstReady(self._slices, self.num_envs)
         self._observation_mode = observation_mode
-        self._pending: list[int] = []  # the workers whose replies the pending call waits for
-        self._pending_indices: list[int] | None = None  # the envs a pending call_async asked, in order
 
         self._pool = WorkerPool(
             num_workers,
@@ -250,7 +234,6 @@ class ClusterEnv(VectorEnv):
         self.closed = False
         self._own: LearnerEnvs | None = None
         self._lockstep: Lockstep | None = None
-        self._own_results: list[Any] | None = None  # the learner's own envs' part of a call in progress
         try:
             self._recycler = None if recycle is None else Recycler(recycle, self._pool)
             if own:
@@ -296,6 +279,7 @@ class ClusterEnv(VectorEnv):
         self.num_envs = slices[-1].stop
         self._batch_size = check_batch_size(batch_size, [sl.stop - sl.start for sl in slices])
         self._first_ready = FirstReady(self._slices, self.num_envs)
+        self._env_calls = EnvCalls(self._pool, slices, self._own)
         self._pool.members.env_counts[:] = [sl.stop - sl.start for sl in slices]
 
     @property
@@ -345,34 +329,18 @@ class ClusterEnv(VectorEnv):
                 f"{self.learner_envs} envs the learner steps itself (`learner_envs`): use `learner_envs=0` with them."
             )
         self._begin(AsyncState.WAITING_CALL, "pending_call")
-        self._state, self._holder = AsyncState.WAITING_CALL, holder
-        try:
+        with self._call.held(AsyncState.WAITING_CALL, holder):
             yield self._pool
-        finally:
-            self._state, self._holder = AsyncState.DEFAULT, None
 
     def _begin(self, state: AsyncState, name: str) -> None:
         """Start a call of method ``name`` (named in errors as ``AsyncVectorEnv`` names it), entering ``state``."""
         self._assert_is_running()
-        if busy := self._first_ready.busy_workers():
-            raise AlreadyPendingCallError(
-                f"Calling `{name}` while {len(busy)} workers' envs are in "
-                "flight from async_reset()/send(): recv() them all first.",
-                "step",
-            )
-        if self._state != AsyncState.DEFAULT:
-            if self._holder is not None:
-                raise AlreadyPendingCallError(f"Calling `{name}` while the envs are held by {self._holder}.", "call")
-            raise AlreadyPendingCallError(
-                f"Calling `{name}` while waiting for a pending call to `{self._state.value}` to complete.",
-                str(self._state.value),
-            )
+        self._call.check_free(name, self._first_ready.busy_workers())
         self._pool.new_call()
 
     def _end(self, state: AsyncState, name: str) -> None:
         self._assert_is_running()
-        if self._state != state:
-            raise NoAsyncCallError(f"Calling `{name}` without any prior call to `{state.value}_async`.", state.value)
+        self._call.check_pending(state, name)
 
     def _assert_is_running(self) -> None:
         if self.closed:
@@ -413,20 +381,11 @@ class ClusterEnv(VectorEnv):
         self._begin(AsyncState.WAITING_RESET, "reset_async")
         seeds = check_seeds(seed, self.num_envs)
         options, mask = check_reset_options(options, self.num_envs)
-        commands: dict[int, Command] = {}
-        for w, sl in enumerate(self._slices):
-            if mask is not None and not mask[sl].any():
-                continue
-            mine = options[sl] if isinstance(options, list) else options
-            blobs = [] if mine is None else [pickle_argument(mine, "`options` of reset")]
-            commands[w] = (ResetMeta(seeds=seeds[sl], mask=None if mask is None else mask[sl].tolist()), (), blobs)
+        commands = self._env_calls.reset_commands(seeds, options, mask)
         # Pending before anything is sent: a send interrupted (Ctrl-C) is finished by reset_wait().
         self._send_pending(AsyncState.WAITING_RESET, Kind.RESET, commands, OnLoss.REPLAY)
-        own = self._own
-        if own is not None and (mask is None or mask[own.slice].any()):  # while the workers reset theirs
-            mine = options[own.slice] if isinstance(options, list) else options
-            own_mask = None if mask is None else mask[own.slice].tolist()
-            self._run_own(lambda: own.reset(seeds[own.slice], mine, own_mask))
+        if (own_reset := self._env_calls.own_reset(seeds, options, mask)) is not None:
+            self._run_own(own_reset)  # while the workers reset theirs
         # Envs reset whole start new episodes: their cuts need no report.
         self._pool.cuts.settle(w for w in commands if mask is None or mask[self._slices[w]].all())
         if mask is None:
@@ -439,12 +398,12 @@ class ClusterEnv(VectorEnv):
         unless every command encodes (a partial reset would desynchronize the envs), and a
         command that cannot leaves no call pending.
         """
-        self._pending, self._state = list(commands), state
+        self._call.pending, self._call.state = list(commands), state
         try:
             self._pool.send_each(kind, commands, on_loss)
         except Exception:
             if not self.closed:
-                self._state = AsyncState.DEFAULT
+                self._call.state = AsyncState.DEFAULT
             raise
 
     def reset_wait(self, timeout: float | None = None) -> tuple[Any, dict[str, Any]]:
@@ -457,8 +416,8 @@ class ClusterEnv(VectorEnv):
             The batched observations and infos, as :meth:`reset` returns them.
         """
         self._end(AsyncState.WAITING_RESET, "reset_wait")
-        replies = self._pool.gather(self._pending, "resetting", self.timeout if timeout is None else timeout)
-        self._state = AsyncState.DEFAULT
+        replies = self._pool.gather(self._call.pending, "resetting", self.timeout if timeout is None else timeout)
+        self._call.state = AsyncState.DEFAULT
         self._needs_reset = False
         infos = self._collect(replies, step=False)
         return self._buffers.observation_batch(self.copy), infos
@@ -481,15 +440,16 @@ class ClusterEnv(VectorEnv):
         self._check_reset_before_step()
         leaves = lockstep.leaves(actions)
         # As step_async leaves it: if the wait is interrupted (Ctrl-C), step_wait() can finish it.
-        self._state, self._pending = AsyncState.WAITING_STEP, lockstep.workers
+        self._call.state, self._call.pending = AsyncState.WAITING_STEP, lockstep.workers
         if leaves is None:  # actions of another dtype reach the envs as they are: messages
             assert self._action_specs is not None  # a lockstep is made only for actions of a fixed array form
             leaves = check_actions(actions, self.single_action_space, self._action_specs, self.num_envs)
-            commands = self._array_commands(leaves, self._pending)
+            commands = self._env_calls.step_commands(self._call.pending, leaves)
             self._send_pending(AsyncState.WAITING_STEP, Kind.STEP, commands, OnLoss.INTERRUPT)
             self._step_own(leaves, None)
         elif (answers := lockstep.step(leaves, self._step_own)) is not None:
-            self._state = AsyncState.DEFAULT  # every worker answered: an interrupt from here on loses only the results
+            # Every worker answered: an interrupt from here on loses only the results.
+            self._call.state = AsyncState.DEFAULT
             return lockstep.results(answers)
         return self.step_wait()
 
@@ -509,12 +469,9 @@ class ClusterEnv(VectorEnv):
         leaves = items = None
         if self._action_specs is None:  # no fixed array form (Text, Graph, ...): each env's action, pickled
             items = action_items(actions, self.action_space, self.num_envs)
-            commands: dict[int, Command] = {
-                w: (None, (), [pickle_argument(items[self._slices[w]], "actions")]) for w in stepping
-            }
         else:
             leaves = check_actions(actions, self.single_action_space, self._action_specs, self.num_envs)
-            commands = self._array_commands(leaves, stepping)
+        commands = self._env_calls.step_commands(stepping, leaves, items)
         # The cut episodes are reported as truncated.
         self._send_pending(AsyncState.WAITING_STEP, Kind.STEP, commands, OnLoss.INTERRUPT)
         self._step_own(leaves, items)
@@ -522,26 +479,18 @@ class ClusterEnv(VectorEnv):
     def _step_own(self, leaves: list[np.ndarray] | None, items: list[Any] | None = None) -> None:
         """Step the learner's own envs (if any) with their actions, while the workers step theirs."""
         own = self._own
-        if own is None:
-            return
-        if leaves is not None:
-            actions = unflatten(self.single_action_space, [leaf[own.slice] for leaf in leaves])
-        else:
-            assert items is not None
-            actions = batch_of_items(own.envs.action_space, items[own.slice])
-        self._run_own(lambda: own.step(actions))
+        if own is not None:
+            actions = self._env_calls.own_actions(leaves, items, self.single_action_space)
+            self._run_own(lambda: own.step(actions))
 
     def _run_own(self, call: Callable[[], Message]) -> None:
         """Reset or step the learner's own envs: their reply joins the workers' (an env error closes, as theirs)."""
+        assert self._own is not None
         try:
-            self._own_envs().run(call)
+            self._own.run(call)
         except Exception:
             self._close_after_error(terminate=False)
             raise
-
-    def _array_commands(self, leaves: list[np.ndarray], workers: list[int]) -> dict[int, Command]:
-        """Each worker's STEP: its slice of the checked action leaves."""
-        return {w: (None, [leaf[self._slices[w]] for leaf in leaves], ()) for w in workers}
 
     def step_wait(self, timeout: float | None = None) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
         """Wait for the results of a ``step_async``.
@@ -553,8 +502,8 @@ class ClusterEnv(VectorEnv):
             The batched ``(obs, rewards, terminations, truncations, infos)``, as :meth:`step` returns them.
         """
         self._end(AsyncState.WAITING_STEP, "step_wait")
-        replies = self._pool.gather(self._pending, "stepping", self.timeout if timeout is None else timeout)
-        self._state = AsyncState.DEFAULT
+        replies = self._pool.gather(self._call.pending, "stepping", self.timeout if timeout is None else timeout)
+        self._call.state = AsyncState.DEFAULT
         return self._step_result(replies)
 
     def _step_result(
@@ -564,42 +513,14 @@ class ClusterEnv(VectorEnv):
         infos = self._collect(replies, step=True)
         interrupted = list(self._pool.cuts.take())  # cut before this step, or while it ran
         if interrupted:
-            infos = self._report_interrupted(infos, interrupted)
-        buffers = self._buffers
-        result = (
-            buffers.observation_batch(self.copy),
-            np.copy(buffers.rewards),
-            np.copy(buffers.terminations),
-            np.copy(buffers.truncations),
-            infos,
-        )
+            same_step = self.autoreset_mode is AutoresetMode.SAME_STEP
+            infos = report_cuts(self._buffers, self._pool, self._slices, infos, interrupted, same_step, self.timeout)
+        result = self._buffers.step_batch(self.copy, infos)
         self._pool.timing.finish()
         return result
 
     def _collect(self, replies: dict[int, Message], step: bool) -> dict[str, Any]:
-        parts = [(self._slices[w], replies[w]) for w in sorted(replies)]
-        own = self._own
-        if own is not None and own.due:
-            parts.insert(0, (own.slice, own.take_reply()))
-        return self._buffers.collect(parts, step)
-
-    def _report_interrupted(self, infos: dict[str, Any], interrupted: list[int]) -> dict[str, Any]:
-        """Report the episodes that a worker restart cut short as truncations (docs/guides/fault-tolerance.md).
-
-        Reward 0, ``truncated=True``, ``infos["worker_restarted"]``. SAME_STEP: the envs are reset here (``final_obs``
-        the last observation received, ``final_info`` empty); NEXT_STEP: the last observation, the next step resets.
-        """
-        resets: dict[int, Message] = {}
-        last: dict[int, list[Any]] = {}
-        if self.autoreset_mode is AutoresetMode.SAME_STEP:
-            # Taken first: a worker on the shared step path resets into the batch itself.
-            last = {w: self._buffers.last_observations(self._slices[w]) for w in interrupted}
-            meta = ResetMeta(seeds=None, mask=None)
-            resets = self._pool.request(interrupted, Kind.RESET, meta, "resetting a replacement's envs", self.timeout)
-        for w in interrupted:
-            infos = self._buffers.cut_short(infos, self._slices[w], resets.get(w), last.get(w))
-        self._buffers.finish()
-        return infos
+        return self._buffers.collect(self._env_calls.replies_in_order(replies), step)
 
     # -- first-ready batches (EnvPool's async_reset / send / recv) --------------------------
     def async_reset(self, seed: int | list[int | None] | None = None, options: dict[str, Any] | None = None) -> None:
@@ -616,8 +537,8 @@ class ClusterEnv(VectorEnv):
         if options is not None and "reset_mask" in options:
             raise ValueError("async_reset() resets every env; `options['reset_mask']` is for reset().")
         self.reset_async(seed=seed, options=options)
-        self._state, self._needs_reset = AsyncState.WAITING_STEP, False
-        self._first_ready.in_flight = dict.fromkeys(self._pending, "reset")
+        self._call.state, self._needs_reset = AsyncState.WAITING_STEP, False
+        self._first_ready.in_flight = dict.fromkeys(self._call.pending, "reset")
 
     def send(self, actions: Any, env_ids: Any) -> None:
         """Step the envs ``env_ids`` (whole workers, as :meth:`recv` returned them) with ``actions``, without waiting.
@@ -639,18 +560,8 @@ class ClusterEnv(VectorEnv):
         leaves = check_actions(actions, self.single_action_space, self._action_specs, n)
         if not self._first_ready.busy_workers():
             self._begin(AsyncState.WAITING_STEP, "send")
-            self._state = AsyncState.WAITING_STEP
-        # A replacement's envs are reset by the restart hook, and recv() reports their cut episodes;
-        # a moved worker's (rebalance, recycling) are reset here, and reported the same way.
-        cuts = self._pool.cuts
-        if self._recycler is not None:
-            self._recycler.before_step([w for w, _ in plan], cuts, self._slices)
-        moved = cuts.take(w for w, _ in plan)
-        stepping = [(w, rows) for w, rows in plan if w not in moved]
-        self._pool.send_each(Kind.STEP, self._first_ready.step_commands(leaves, stepping), OnLoss.REISSUE)
-        self._first_ready.in_flight.update((w, "step") for w, _ in stepping)
-        for w in moved:
-            self._first_ready.reset_moved(self._pool, w)
+            self._call.state = AsyncState.WAITING_STEP
+        self._first_ready.send(self._pool, leaves, plan, self._recycler)
 
     def recv(self, timeout: float | None = None) -> Ready:
         """The results of the first ``batch_size`` envs to be ready.
@@ -668,15 +579,10 @@ class ClusterEnv(VectorEnv):
         """
         self._assert_is_running()
         needed = self.num_workers * self._batch_size // self.num_envs  # exact: whole workers
-        if len(self._first_ready.busy_workers()) < needed:
-            raise NoAsyncCallError(
-                f"recv() returns batch_size={self.batch_size} envs, but only {self._first_ready.envs_in_flight()} "
-                "are in flight: send() actions for more envs first.",
-                "step",
-            )
-        ready = self._first_ready.wait(self._pool, needed, self.timeout if timeout is None else timeout)
+        timeout = self.timeout if timeout is None else timeout
+        ready = self._first_ready.wait(self._pool, needed, self._batch_size, timeout)
         if not self._first_ready.busy_workers():
-            self._state = AsyncState.DEFAULT
+            self._call.state = AsyncState.DEFAULT
         batch = self._first_ready.assemble(ready, self._buffers)
         self._pool.timing.finish()
         return batch
@@ -709,14 +615,8 @@ class ClusterEnv(VectorEnv):
         if wait != 0:
             wait = check_seconds("wait", wait, allow_none=False)
         self._begin(AsyncState.WAITING_CALL, "rebalance")
-        self._state = AsyncState.WAITING_CALL
-        try:
-            moved = self._pool.rebalance(wait)
-        finally:
-            self._state = AsyncState.DEFAULT
-        for worker_id in moved:
-            self._pool.cuts.record(worker_id, Cut.MOVED)
-        return moved
+        with self._call.held(AsyncState.WAITING_CALL):
+            return self._pool.rebalance(wait)
 
     def note_cuts_reported(self, worker_ids: Iterable[int]) -> None:
         """For extensions: these workers' cut envs had their cut reported another way (a rollout on fresh envs)."""
@@ -724,14 +624,8 @@ class ClusterEnv(VectorEnv):
 
     def _reset_replacement_in_flight(self, worker_id: int) -> list[FollowUp]:
         """A restart hook for first-ready batches: report the cut episodes of a replaced (or re-homed) worker."""
-        first_ready = self._first_ready
-        if worker_id in first_ready.in_flight:
-            return first_ready.reset_replacement(worker_id)
-        if first_ready.busy_workers():
-            # Lost while its envs were in the caller's hands (recv() returned them): the next send() resets
-            # the fresh envs instead of stepping them, and recv() reports the cut.
-            self._pool.cuts.record(worker_id, Cut.REHOMED if self.on_worker_failure == "rehome" else Cut.RESTARTED)
-        return []
+        cut = Cut.REHOMED if self.on_worker_failure == "rehome" else Cut.RESTARTED
+        return self._first_ready.restart_hook(worker_id, self._pool.cuts, cut)
 
     # -- attributes ------------------------------------------------------------------------
     # An exception raised by an attribute or a called method is the caller's business (SB3's
@@ -751,17 +645,8 @@ class ClusterEnv(VectorEnv):
         self, method: str, indices: list[int] | None, name: str | None, args: tuple, kwargs: dict, what: str
     ) -> None:
         self._begin(AsyncState.WAITING_CALL, method)
-        blob = pickle_argument((args, kwargs), what)
-        by_worker = self._by_worker(by_part(indices, self._parts))
-        own_indices = by_worker.pop(OWN, _NONE)
-        # The learner's own envs answer first: an error of theirs is raised before any worker is asked.
-        self._own_results = None if own_indices is _NONE else self._own_envs().call(own_indices, name, args, kwargs)
-        commands: dict[int, Command] = {
-            w: (CallMeta(name=name, indices=local), (), [blob]) for w, local in by_worker.items()
-        }
-        self._pool.send_each(Kind.CALL, commands, OnLoss.REPLAY)
-        self._pending, self._pending_indices = list(commands), indices
-        self._state = AsyncState.WAITING_CALL
+        self._call.pending = self._env_calls.send_call(indices, name, args, kwargs, what)
+        self._call.state = AsyncState.WAITING_CALL
 
     def call_wait(self, timeout: float | None = None) -> tuple[Any, ...]:
         """The per-env results of a ``call_async``, in env order.
@@ -772,15 +657,11 @@ class ClusterEnv(VectorEnv):
         self._end(AsyncState.WAITING_CALL, "call_wait")
         try:
             replies = self._pool.gather(
-                self._pending, "calling", self.timeout if timeout is None else timeout, errors_close=False
+                self._call.pending, "calling", self.timeout if timeout is None else timeout, errors_close=False
             )
         finally:
-            self._state = AsyncState.DEFAULT
-        offset = len(self._parts) - self.num_workers  # the parts before the workers': the learner's own envs
-        results = {w + offset: self._pool.loads(reply.blobs[0]) for w, reply in replies.items()}
-        if self._own_results is not None:
-            results[0], self._own_results = self._own_results, None
-        return tuple(in_index_order(self._pending_indices, self._parts, results))
+            self._call.state = AsyncState.DEFAULT
+        return self._env_calls.results(replies)
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         """Call ``name`` on every env (or read it, if not callable); results in env order.
@@ -834,35 +715,9 @@ class ClusterEnv(VectorEnv):
         chosen = check_indices(indices, self.num_envs)
         values = per_env_values(values, self.num_envs if chosen is None else len(chosen))
         self._begin(AsyncState.WAITING_CALL, "set_attr")
-        by_worker = self._by_worker(values_by_part(chosen, self._parts, values))
-        own = by_worker.pop(OWN, _NONE)
-        if own is not _NONE:  # first, as for a call
-            self._own_envs().set_attr(own[0], name, own[1])
-        commands: dict[int, Command] = {}
-        for w, (local, mine) in by_worker.items():
-            blob = pickle_argument(mine, f"values of set_attr({name!r})")
-            commands[w] = (CallMeta(name=name, indices=local), (), [blob])
-        self._pool.send_each(Kind.SET_ATTR, commands, OnLoss.REPLAY)
-        self._state = AsyncState.WAITING_CALL
-        try:
-            self._pool.gather(commands, "setting attributes", self.timeout, errors_close=False)
-        finally:
-            self._state = AsyncState.DEFAULT
-
-    @property
-    def _parts(self) -> list[slice]:
-        """The envs of each part: the learner's own (if any), then each worker's."""
-        return self._slices if self._own is None else [self._own.slice, *self._slices]
-
-    def _by_worker(self, routed: dict[int, _V]) -> dict[int, _V]:
-        """What :func:`by_part` routed to each part of :attr:`_parts`, by worker id (``OWN``: the learner's envs)."""
-        if self._own is None:
-            return routed
-        return {(OWN if part == 0 else part - 1): value for part, value in routed.items()}
-
-    def _own_envs(self) -> LearnerEnvs:
-        assert self._own is not None
-        return self._own
+        with self._call.held(AsyncState.WAITING_CALL):
+            asked = self._env_calls.send_set_attr(name, values, chosen)
+            self._pool.gather(asked, "setting attributes", self.timeout, errors_close=False)
 
     def render(self) -> tuple[Any, ...] | None:
         """The frames rendered by every env, in env order."""
@@ -888,9 +743,9 @@ class ClusterEnv(VectorEnv):
             **kwargs: ignored (``VectorEnv.close`` passes its own).
         """
         in_flight = bool(self._first_ready.busy_workers())
-        pending = self._state is not AsyncState.DEFAULT and self._holder is None and not in_flight
-        abandoned = self._state.value
-        self._state = AsyncState.DEFAULT
+        pending = self._call.state is not AsyncState.DEFAULT and self._call.holder is None and not in_flight
+        abandoned = self._call.state.value
+        self._call.state = AsyncState.DEFAULT
         self._pool.close(timeout, terminate=terminate)
         if self._own is not None:
             self._own.close()
@@ -902,7 +757,7 @@ class ClusterEnv(VectorEnv):
             gymnasium.logger.warn(f"Calling `close` while waiting for a pending call to `{abandoned}` to complete.")
 
     def _close_after_error(self, terminate: bool) -> None:
-        self._state = AsyncState.DEFAULT  # the failed call is over
+        self._call.state = AsyncState.DEFAULT  # the failed call is over
         self.close(terminate=terminate)
 
     @property
@@ -917,19 +772,7 @@ class ClusterEnv(VectorEnv):
         Each field is explained in docs/guides/fault-tolerance.md ("Watching the workers"): where its
         envs are, whether it is alive, how fast it replies, and what CPU and memory it uses.
         """
-        return [
-            {
-                **info,
-                "env_ids": [i for w in info["serves"] for i in range(self._slices[w].start, self._slices[w].stop)],
-                "units": [
-                    (u.start, u.stop - 1)
-                    for w in info["serves"]
-                    for u in self._units
-                    if self._slices[w].start <= u.start < self._slices[w].stop
-                ],
-            }
-            for info in self._pool.worker_info
-        ]
+        return [{**info, **envs_served(info["serves"], self._slices, self._units)} for info in self._pool.worker_info]
 
     @property
     def learner_info(self) -> dict[str, Any]:
