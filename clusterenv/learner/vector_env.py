@@ -752,6 +752,7 @@ class ClusterEnv(VectorEnv):
         buffers: BatchBuffers | None = getattr(self, "_buffers", None)  # none if building the envs failed
         if buffers is not None:
             buffers.detach()  # the shared memory the workers wrote goes once no one else holds a view of it
+        self._lockstep = None  # with it, its views of the step region
         if pending:
             # As AsyncVectorEnv warns; after closing, so that under warnings-as-errors the workers are gone already.
             gymnasium.logger.warn(f"Calling `close` while waiting for a pending call to `{abandoned}` to complete.")
