@@ -21,9 +21,12 @@ from unittest import mock
 import gymnasium as gym
 import numpy as np
 import pytest
+from gymnasium.error import NoAsyncCallError
 from gymnasium.vector import SyncVectorEnv
 
 from clusterenv import ClusterEnv
+from clusterenv.learner.outbox import Outbox
+from clusterenv.learner.own_envs import LearnerEnvs
 from clusterenv.learner.pool import WorkerPool
 from clusterenv.learner.shared_steps import SharedSteps
 from clusterenv.wire.transport import Channel
@@ -111,6 +114,43 @@ def test_a_step_interrupted_anywhere_is_finished_exactly_by_step_wait(path, how,
         assert_same(reference.step(actions), envs.step_wait())
         for t in range(20):  # every env steps once per step from here on: nothing was lost or done twice
             step_both(reference, envs, np.array([1, t % 2, 1, 0]))
+
+
+@pytest.mark.parametrize("how", ["step", "step_async"])
+@pytest.mark.parametrize("path", PATHS)
+def test_an_interrupt_before_the_learners_own_envs_step_leaves_them_to_step_wait(path, how):
+    """The workers were commanded, the learner's own envs had not stepped yet: step_wait() steps them too."""
+    with (
+        ClusterEnv(CARTPOLES, num_workers=1, learner_envs=2, **PATHS[path]) as envs,
+        closing(SyncVectorEnv(CARTPOLES)) as reference,
+    ):
+        assert_same(reference.reset(seed=5), envs.reset(seed=5))
+        step_both(reference, envs, np.array([0, 1, 1, 0]))
+        actions = np.array([1, 1, 0, 0])
+        with interrupt_at(LearnerEnvs, "run", 1, False), pytest.raises(KeyboardInterrupt):
+            if how == "step":
+                envs.step(actions)
+            else:
+                envs.step_async(actions)
+        assert_same(reference.step(actions), envs.step_wait())
+        for t in range(10):
+            step_both(reference, envs, np.array([t % 2, 0, 1, 1]))
+
+
+def test_an_interrupt_before_a_lockstep_step_is_pending_leaves_nothing_sent():
+    """Recorded but not yet pending: no worker was commanded, so there is nothing to wait for, and no step happened."""
+    with (
+        ClusterEnv(CARTPOLES, num_workers=2) as envs,
+        closing(SyncVectorEnv(CARTPOLES)) as reference,
+    ):
+        assert_same(reference.reset(seed=8), envs.reset(seed=8))
+        step_both(reference, envs, np.array([0, 1, 1, 0]))
+        with interrupt_at(Outbox, "record_shared", 1, True), pytest.raises(KeyboardInterrupt):
+            envs.step(np.array([1, 1, 1, 1]))
+        with pytest.raises(NoAsyncCallError):
+            envs.step_wait()
+        for t in range(10):  # the interrupted step never happened
+            step_both(reference, envs, np.array([t % 2, 1, 0, 0]))
 
 
 @pytest.mark.parametrize("path", PATHS)

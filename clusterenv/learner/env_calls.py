@@ -10,7 +10,7 @@ envs answer first, so that an error of theirs is raised before any worker is ask
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -61,14 +61,14 @@ class EnvCalls:
             commands[w] = (ResetMeta(seeds=seeds[sl], mask=None if mask is None else mask[sl].tolist()), (), blobs)
         return commands
 
-    def own_reset(self, seeds: list[int | None], options: Any, mask: np.ndarray | None) -> Callable[[], Message] | None:
-        """The reset of the learner's own envs, as :meth:`reset_commands` has the workers'; ``None``: none resets."""
+    def expect_own_reset(self, seeds: list[int | None], options: Any, mask: np.ndarray | None) -> None:
+        """The learner's own envs' reset, as :meth:`reset_commands` has the workers', recorded before they leave."""
         own = self._own
         if own is None or (mask is not None and not mask[own.slice].any()):
-            return None
+            return
         mine = options[own.slice] if isinstance(options, list) else options
         own_mask = None if mask is None else mask[own.slice].tolist()
-        return lambda: own.reset(seeds[own.slice], mine, own_mask)
+        own.expect(lambda: own.reset(seeds[own.slice], mine, own_mask))
 
     def step_commands(
         self, workers: list[int], leaves: list[np.ndarray] | None, items: list[Any] | None = None
@@ -79,13 +79,20 @@ class EnvCalls:
         assert items is not None  # actions without a fixed array form: each env's, pickled
         return {w: (None, (), [pickle_argument(items[self._slices[w]], "actions")]) for w in workers}
 
-    def own_actions(self, leaves: list[np.ndarray] | None, items: list[Any] | None, space: spaces.Space) -> Any:
-        """The learner's own envs' actions (``space``: one env's), as :meth:`step_commands` slices the workers'."""
-        own = self._own_envs()
+    def expect_own_step(self, leaves: list[np.ndarray] | None, items: list[Any] | None, space: spaces.Space) -> None:
+        """The learner's own envs' step (``space``: one env's), recorded before the workers' commands leave.
+
+        Their actions are sliced as :meth:`step_commands` slices the workers' (:meth:`LearnerEnvs.expect`).
+        """
+        own = self._own
+        if own is None:
+            return
         if leaves is not None:
-            return unflatten(space, [leaf[own.slice] for leaf in leaves])
-        assert items is not None
-        return batch_of_items(own.envs.action_space, items[own.slice])
+            actions = unflatten(space, [leaf[own.slice] for leaf in leaves])
+        else:
+            assert items is not None
+            actions = batch_of_items(own.envs.action_space, items[own.slice])
+        own.expect(lambda: own.step(actions))
 
     def replies_in_order(self, replies: dict[int, Message]) -> list[tuple[slice, Message]]:
         """The workers' ``replies`` to a reset or step, and the learner's own envs' (if due), each with its envs."""

@@ -90,18 +90,19 @@ class Lockstep:
         leaves = check_actions(actions, self._action_space, self._specs, self._num_envs)
         return leaves if self._path.takes(leaves) else None
 
-    def step(self, leaves: list[np.ndarray], step_own: Callable[[list[np.ndarray]], None]) -> list[int] | None:
-        """Step every env with ``leaves`` until every worker answered in its rows; ``None``: the pool takes over.
+    def step(self, run_own: Callable[[], None]) -> list[int] | None:
+        """Send the step recorded (``pool.outbox.record_shared``) and wait until every worker answered in its rows.
 
-        Returns each worker's answer (its final status), for :meth:`results`; nothing is taken
-        yet, so a step interrupted here is finished by the pool's receive loop. ``step_own``
-        steps the learner's own envs (after the workers are commanded, before their replies
-        are read), keeping their reply for whoever collects the step.
+        Returns each worker's answer (its final status), for :meth:`results`; ``None``: the
+        pool's receive loop takes over. Nothing is taken yet, so a step interrupted here is
+        finished by the pool's receive loop. ``run_own`` steps the learner's own envs (after the
+        workers are commanded, before their replies are read), keeping their reply for
+        whoever collects the step.
         """
         pool, path = self._pool, self._path
-        pool.send_shared(leaves)
+        pool.outbox.command_shared(pool.seq)
         if self._own is not None:
-            step_own(leaves)
+            run_own()
         if not pool.may_wait_on_words():
             return None
         answers = []

@@ -194,8 +194,15 @@ class Outbox:
 
         See :meth:`WorkerPool.send_shared <clusterenv.learner.pool.WorkerPool.send_shared>`.
         """
-        path = self._step_path()
-        assert path is not None
+        self.record_shared(actions)
+        self.command_shared(seq)
+
+    def record_shared(self, actions: Sequence[np.ndarray]) -> None:
+        """Record a lockstep STEP of every worker through the step region, before the call that sends it is pending.
+
+        Recorded first, then pending, then sent (:meth:`command_shared`): an interrupt before
+        the call is pending leaves nothing sent, one after it leaves the commands to deliver.
+        """
         self._timing.start()
         self._shared_actions = actions
         every = self._every_worker
@@ -203,7 +210,12 @@ class Outbox:
         self._sent_at.update(dict.fromkeys(every, time.monotonic()))
         self.awaiting.update(every)
         self._unsent.update(self._into_region)
-        path.write_actions(actions)
+
+    def command_shared(self, seq: int) -> None:
+        """Send what :meth:`record_shared` recorded: the actions into the region, every worker commanded."""
+        path = self._step_path()
+        assert path is not None
+        path.write_actions(self._shared_actions)
         try:
             unreachable = path.command_all(seq)
         except ProtocolError as exc:  # a worker that does not drain its wake channel

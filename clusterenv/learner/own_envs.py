@@ -67,6 +67,7 @@ class LearnerEnvs:
         )
         self._array_obs = is_array_tree(self.envs.single_observation_space)
         self._pending_reply: Message | None = None
+        self._call: Callable[[], Message] | None = None  # their part of the call in progress, not started yet
         #: Whether a reset or step of theirs is part of the call in progress (its reply to be collected).
         self.due = False
 
@@ -85,10 +86,19 @@ class LearnerEnvs:
             space = self.envs.single_observation_space
             self.envs.observe_into(unflatten(space, [leaf[self.slice] for leaf in leaf_arrays(space, batch)]))
 
-    def run(self, call: Callable[[], Message]) -> None:
-        """Reset or step them (``call``), their part of the call in progress; the reply waits for :meth:`take_reply`."""
-        self._pending_reply, self.due = None, True
-        self._pending_reply = call()
+    def expect(self, call: Callable[[], Message]) -> None:
+        """Their part of the call about to be sent: ``call`` (a reset or step), recorded before anything leaves.
+
+        An interrupt between the workers' commands and :meth:`run` then leaves it to run when
+        the call is finished (``reset_wait``/``step_wait``), so that they step with the others.
+        """
+        self._call, self._pending_reply, self.due = call, None, True
+
+    def run(self) -> None:
+        """Run their part of the call in progress if it has not started; the reply waits for :meth:`take_reply`."""
+        call, self._call = self._call, None
+        if call is not None:
+            self._pending_reply = call()
 
     def take_reply(self) -> Message:
         """Their reply to the call in progress, collected once.
@@ -130,5 +140,6 @@ class LearnerEnvs:
         self.envs.set_attr_at(indices, name, values)
 
     def close(self) -> None:
-        """Close the envs."""
+        """Close the envs (and let go of the learner's batch, which may be the step region)."""
         self.envs.close()
+        self.envs.observe_into(None)

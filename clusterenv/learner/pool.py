@@ -774,7 +774,8 @@ class WorkerPool:
         close_workers(
             self._channel, self.members, self._monitor, self.launcher, self.step_path, self.seq, grace, terminate
         )
-        self.step_path = None  # closed there; with it go the pool's views of the region
+        self.step_path = None  # closed there; with it go the pool's views of the region (and replies kept)
+        self._replies, self._stash = {}, []
         self._finalizer()
 
 

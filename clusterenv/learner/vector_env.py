@@ -382,10 +382,10 @@ class ClusterEnv(VectorEnv):
         seeds = check_seeds(seed, self.num_envs)
         options, mask = check_reset_options(options, self.num_envs)
         commands = self._env_calls.reset_commands(seeds, options, mask)
+        self._env_calls.expect_own_reset(seeds, options, mask)
         # Pending before anything is sent: a send interrupted (Ctrl-C) is finished by reset_wait().
         self._send_pending(AsyncState.WAITING_RESET, Kind.RESET, commands, OnLoss.REPLAY)
-        if (own_reset := self._env_calls.own_reset(seeds, options, mask)) is not None:
-            self._run_own(own_reset)  # while the workers reset theirs
+        self._run_own()  # while the workers reset theirs
         # Envs reset whole start new episodes: their cuts need no report.
         self._pool.cuts.settle(w for w in commands if mask is None or mask[self._slices[w]].all())
         if mask is None:
@@ -416,6 +416,7 @@ class ClusterEnv(VectorEnv):
             The batched observations and infos, as :meth:`reset` returns them.
         """
         self._end(AsyncState.WAITING_RESET, "reset_wait")
+        self._run_own()  # if an interrupt came before it
         replies = self._pool.gather(self._call.pending, "resetting", self.timeout if timeout is None else timeout)
         self._call.state = AsyncState.DEFAULT
         self._needs_reset = False
@@ -439,15 +440,19 @@ class ClusterEnv(VectorEnv):
         self._begin(AsyncState.WAITING_STEP, "step_async")
         self._check_reset_before_step()
         leaves = lockstep.leaves(actions)
-        # As step_async leaves it: if the wait is interrupted (Ctrl-C), step_wait() can finish it.
-        self._call.state, self._call.pending = AsyncState.WAITING_STEP, lockstep.workers
         if leaves is None:  # actions of another dtype reach the envs as they are: messages
             assert self._action_specs is not None  # a lockstep is made only for actions of a fixed array form
             leaves = check_actions(actions, self.single_action_space, self._action_specs, self.num_envs)
-            commands = self._env_calls.step_commands(self._call.pending, leaves)
+            commands = self._env_calls.step_commands(lockstep.workers, leaves)
+            self._env_calls.expect_own_step(leaves, None, self.single_action_space)
             self._send_pending(AsyncState.WAITING_STEP, Kind.STEP, commands, OnLoss.INTERRUPT)
-            self._step_own(leaves, None)
-        elif (answers := lockstep.step(leaves, self._step_own)) is not None:
+            self._run_own()
+            return self.step_wait()
+        # Recorded, then pending, then sent: wherever an interrupt (Ctrl-C) lands, step_wait() finishes it.
+        self._env_calls.expect_own_step(leaves, None, self.single_action_space)
+        self._pool.outbox.record_shared(leaves)
+        self._call.state, self._call.pending = AsyncState.WAITING_STEP, lockstep.workers
+        if (answers := lockstep.step(self._run_own)) is not None:
             # Every worker answered: an interrupt from here on loses only the results.
             self._call.state = AsyncState.DEFAULT
             return lockstep.results(answers)
@@ -472,22 +477,17 @@ class ClusterEnv(VectorEnv):
         else:
             leaves = check_actions(actions, self.single_action_space, self._action_specs, self.num_envs)
         commands = self._env_calls.step_commands(stepping, leaves, items)
+        self._env_calls.expect_own_step(leaves, items, self.single_action_space)
         # The cut episodes are reported as truncated.
         self._send_pending(AsyncState.WAITING_STEP, Kind.STEP, commands, OnLoss.INTERRUPT)
-        self._step_own(leaves, items)
+        self._run_own()
 
-    def _step_own(self, leaves: list[np.ndarray] | None, items: list[Any] | None = None) -> None:
-        """Step the learner's own envs (if any) with their actions, while the workers step theirs."""
-        own = self._own
-        if own is not None:
-            actions = self._env_calls.own_actions(leaves, items, self.single_action_space)
-            self._run_own(lambda: own.step(actions))
-
-    def _run_own(self, call: Callable[[], Message]) -> None:
-        """Reset or step the learner's own envs: their reply joins the workers' (an env error closes, as theirs)."""
-        assert self._own is not None
+    def _run_own(self) -> None:
+        """Run the learner's own envs' part of the call, if not yet: an env error closes, as a worker's does."""
+        if self._own is None:
+            return
         try:
-            self._own.run(call)
+            self._own.run()
         except Exception:
             self._close_after_error(terminate=False)
             raise
@@ -502,6 +502,7 @@ class ClusterEnv(VectorEnv):
             The batched ``(obs, rewards, terminations, truncations, infos)``, as :meth:`step` returns them.
         """
         self._end(AsyncState.WAITING_STEP, "step_wait")
+        self._run_own()  # if an interrupt came before it
         replies = self._pool.gather(self._call.pending, "stepping", self.timeout if timeout is None else timeout)
         self._call.state = AsyncState.DEFAULT
         return self._step_result(replies)

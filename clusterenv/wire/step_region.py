@@ -231,9 +231,11 @@ def fence() -> None:
     Between raising a *waits* word and reading the other side's counter (and between writing
     a counter and reading the other side's *waits* word), so that a store is never passed by
     a later load: without it, each side could miss the other's store and both would wait.
+    Never blocks: a lock left held (an interrupt between acquiring and releasing it) would
+    otherwise hang every later fence; trying to acquire it is the same locked instruction.
     """
-    with _FENCE:
-        pass
+    if _FENCE.acquire(False):
+        _FENCE.release()
 
 
 def _batch(buffer: Any, fields: list[Field]) -> dict[str, np.ndarray]:
