@@ -137,6 +137,21 @@ def test_an_interrupt_before_the_learners_own_envs_step_leaves_them_to_step_wait
             step_both(reference, envs, np.array([t % 2, 0, 1, 1]))
 
 
+def test_a_step_interrupted_before_it_was_pending_leaves_nothing_for_a_reset_that_spares_the_learners_envs():
+    with (
+        ClusterEnv(CARTPOLES, num_workers=1, learner_envs=2) as envs,
+        closing(SyncVectorEnv(CARTPOLES)) as reference,
+    ):
+        assert_same(reference.reset(seed=2), envs.reset(seed=2))
+        step_both(reference, envs, np.array([0, 1, 1, 0]))
+        with interrupt_at(Outbox, "record_shared", 1, True), pytest.raises(KeyboardInterrupt):
+            envs.step(np.array([1, 1, 1, 1]))
+        workers_only = {"reset_mask": np.array([False, False, True, True])}
+        assert_same(reference.reset(options=dict(workers_only)), envs.reset(options=dict(workers_only)))
+        for t in range(10):  # the learner's envs did not take the interrupted step either
+            step_both(reference, envs, np.array([t % 2, 1, 0, 0]))
+
+
 def test_an_interrupt_before_a_lockstep_step_is_pending_leaves_nothing_sent():
     """Recorded but not yet pending: no worker was commanded, so there is nothing to wait for, and no step happened."""
     with (

@@ -64,7 +64,10 @@ class EnvCalls:
     def expect_own_reset(self, seeds: list[int | None], options: Any, mask: np.ndarray | None) -> None:
         """The learner's own envs' reset, as :meth:`reset_commands` has the workers', recorded before they leave."""
         own = self._own
-        if own is None or (mask is not None and not mask[own.slice].any()):
+        if own is None:
+            return
+        if mask is not None and not mask[own.slice].any():
+            own.forget()  # no part in this call (nor what an interrupted one left expected)
             return
         mine = options[own.slice] if isinstance(options, list) else options
         own_mask = None if mask is None else mask[own.slice].tolist()

@@ -94,6 +94,10 @@ class LearnerEnvs:
         """
         self._call, self._pending_reply, self.due = call, None, True
 
+    def forget(self) -> None:
+        """No part in the call in progress."""
+        self._call, self._pending_reply, self.due = None, None, False
+
     def run(self) -> None:
         """Run their part of the call in progress if it has not started; the reply waits for :meth:`take_reply`."""
         call, self._call = self._call, None
