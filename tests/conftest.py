@@ -66,6 +66,18 @@ def kill_mid_step(envs, actions: np.ndarray, worker_ids) -> list[int]:
     return pids
 
 
+@pytest.fixture(autouse=True, scope="session")
+def sb3_logs_in_pytest_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Stable-Baselines3's log folders go in pytest's temp dir, which pytest cleans, not in the system's.
+
+    SB3 makes one for every training run, in the temp dir unless ``$SB3_LOGDIR`` names one;
+    the examples the suite runs inherit it.
+    """
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SB3_LOGDIR", str(tmp_path_factory.mktemp("sb3-logs")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_workers() -> Iterator[None]:
     """Fail any test that leaves a worker process of its own running."""
