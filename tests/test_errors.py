@@ -612,6 +612,7 @@ def test_constructor_that_raises_in_the_worker_names_the_env_and_leaks_nothing()
 # -- errors inside envs ------------------------------------------------------------------------
 FAILURES = {
     "step, env 1 on worker 0": ([5, 2, 5], "step", 1, 0),
+    "step, env 1 on worker 0, its step timed": ([5, 1, 5], "step", 1, 0),  # a worker times its first batch step
     "step, env 2 on worker 1": ([5, 5, 2], "step", 2, 1),
     "reset, env 0 on worker 0": ([2, 5, 5], "reset", 0, 0),
 }
@@ -632,7 +633,7 @@ def test_env_exception_is_reraised_with_index_worker_and_traceback(fail_at, wher
                 envs.reset()
     error = caught.value
     exc_type, text = (
-        ("ValueError", "deliberate failure at step 2")
+        ("ValueError", f"deliberate failure at step {fail_at[env_index]}")
         if where == "step"
         else ("KeyError", "deliberate reset failure 2")
     )

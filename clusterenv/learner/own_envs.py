@@ -126,7 +126,7 @@ class LearnerEnvs:
     def step(self, actions: Any) -> Message:
         """Step them with their ``actions`` (batched, as their vector env takes them): a reply as a worker's."""
         obs, rewards, terminations, truncations, _ = self.envs.step(actions)
-        return self._reply(obs, [rewards.copy(), terminations.copy(), truncations.copy()])
+        return self._reply(obs, [rewards, terminations, truncations])  # SyncVectorEnv returns copies
 
     def _reply(self, obs: Any, step_fields: list[np.ndarray]) -> Message:
         """What a worker would have replied, read by the batch as a worker's reply is."""

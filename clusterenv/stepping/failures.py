@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import traceback
 from dataclasses import dataclass, replace
+from types import TracebackType
 from typing import Any
 
 import cloudpickle
+from gymnasium.vector import SyncVectorEnv
 from gymnasium.vector.utils import concatenate
 
 from clusterenv.stepping.step_clock import StepClock
@@ -34,6 +36,7 @@ __all__ = [
     "TrackedEnvs",
     "describe_exception",
     "error_reply",
+    "index_in_step",
 ]
 
 #: The most UTF-8 bytes of an env error's message that reach the learner (head and tail kept).
@@ -50,10 +53,11 @@ _MAX_TYPE_NAME_BYTES = 256
 class EnvTracker:
     """Which env the worker's code reached last, so that the env that raises is known by its index.
 
-    ``SyncVectorEnv``'s loops (step, reset, call, set_attr, render, close) all reach their envs
-    by iterating its ``envs`` list, just before calling each;
+    ``SyncVectorEnv``'s loops (reset, call, set_attr, render, close) reach their envs by
+    iterating its ``envs`` list, just before calling each;
     :class:`~clusterenv.stepping.recording_env.RecordingVectorEnv` keeps that list as a
-    :class:`TrackedEnvs` that writes the index here, as do the loops that build the envs.
+    :class:`TrackedEnvs` that writes the index here, as do the loops that build the envs. A
+    step that raises writes the index its loop reached (:func:`index_in_step`).
     """
 
     def __init__(self) -> None:
@@ -69,9 +73,9 @@ class EnvTracker:
 class TrackedEnvs(list[Any]):
     """A list of envs that tells its :class:`EnvTracker` the index of each env its iteration hands out.
 
-    Only iteration is tracked: an override of indexing would cost a Python call for each env
-    at each step (``SyncVectorEnv.step`` indexes ``envs[i]`` inside its loop over the list),
-    about 5% of a CartPole's step.
+    Serves every loop but the batch step's (reset, call, set_attr, render, close): a step, the
+    hot loop, is handed a plain list instead, and the env that raised is read from the
+    exception's traceback (:func:`index_in_step`), which costs nothing until something raises.
     """
 
     def __init__(self, envs: list[Any], tracker: EnvTracker) -> None:
@@ -85,17 +89,39 @@ class TrackedEnvs(list[Any]):
             yield env
 
 
-class TimedEnvs(TrackedEnvs):
-    """The same envs for a batch step that is timed: each env indexed ends the previous one's step.
+class TimedEnvs(list[Any]):
+    """The envs handed to a batch step that is timed: each env indexed ends the previous one's step.
 
     ``SyncVectorEnv.step`` indexes an env just before each call to it, so an autoreset inside a
     step (``SAME_STEP``) is timed as a step of its own.
     """
 
+    def __init__(self, envs: list[Any], clock: StepClock) -> None:
+        super().__init__(envs)
+        self.clock = clock
+
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, int):
-            self.tracker.clock.reached()
+            self.clock.reached()
         return super().__getitem__(index)
+
+
+_SYNC_STEP = SyncVectorEnv.step.__code__
+
+
+def index_in_step(tb: TracebackType | None) -> int | None:
+    """The env ``SyncVectorEnv.step``'s loop had reached where the traceback ``tb`` passed through it.
+
+    Its loop variable ``i``, read from the outermost ``SyncVectorEnv.step`` frame below ``tb``
+    (an env's own vector env further in is not ours); ``None`` if the step raised before its loop.
+    """
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code is _SYNC_STEP:
+            index = frame.f_locals.get("i")
+            return index if isinstance(index, int) else None
+        tb = tb.tb_next
+    return None
 
 
 @dataclass(frozen=True)
