@@ -147,8 +147,10 @@ def test_dict_fragments_continue_each_other():
         stream.close()
         for fragment in runner.stop():
             per_worker.setdefault(tuple(fragment.env_ids.tolist()), []).append(fragment)
+    # A worker may deliver more than its share of the 4 fragments, plus what stop() returns (prefetch 1, one in
+    # flight): at most 6 fragments of 6 steps; each worker's must be the start of its own long trajectory.
     with rich_envs(5, 2) as envs:
-        long = PolicyRunner(envs, policy, head=Greedy(), seed=3).rollout(6 * 4)
+        long = PolicyRunner(envs, policy, head=Greedy(), seed=3).rollout(6 * 6)
     assert len(per_worker) == 2
     for env_ids, fragments in per_worker.items():
         got = concat([f.obs for f in fragments])
