@@ -33,7 +33,7 @@ from tests.conftest import wait_until
 
 CARTPOLES = [functools.partial(gym.make, "CartPole-v1")] * 4
 F_SEAL_FUTURE_WRITE = 0x0010  # Linux 5.1: no new writable mappings (not in Python's fcntl)
-FULL = "its wake channel is full (it has not read the wake-up bytes sent to it"
+FULL = "its wake channel is full (it has not read the wake-ups sent to it"
 
 
 def region() -> StepRegion:

@@ -196,3 +196,26 @@ def test_a_worker_marks_its_end_close_on_exec_so_env_code_cannot_pass_it_on():
             with open(f"/proc/{worker['pid']}/fdinfo/{fd}") as f:
                 flags = int(next(line for line in f if line.startswith("flags:")).split()[1], 8)
             assert flags & os.O_CLOEXEC
+
+
+def test_wake_ups_and_a_record_larger_than_one_read_arrive_in_order():
+    """The learner's wake-ups (records of no frames) keep their place around a record read in several chunks."""
+    ours, theirs = pipe_pair()
+    writer, reader = Pipe(ours, MB, blocking=False), Pipe(theirs, MB, blocking=True)
+    large = bytes(range(256)) * 2400  # 600 KB: more than one read's chunk
+    try:
+        writer.write_wake()
+        writer.write([b"head", large])
+        writer.write_wake()
+        received = []
+        deadline = time.monotonic() + 10
+        while len(received) < 3 and time.monotonic() < deadline:
+            writer.flush()  # a non-blocking end sends what the kernel takes, as the learner's poll does
+            record = reader.read(20)
+            if record is not None:
+                received.append([bytes(frame) for frame in record])
+        assert received == [[], [b"head", large], []]
+        assert not writer.pending
+    finally:
+        writer.close()
+        reader.close()

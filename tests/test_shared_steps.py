@@ -34,7 +34,7 @@ from clusterenv.learner.shared_steps import NOT_YET, SharedSteps
 from clusterenv.wire.carriers import PipeCarrier
 from clusterenv.wire.infos import merge_infos, pack_infos
 from clusterenv.wire.liveness import Heartbeat
-from clusterenv.wire.pipes import WOKEN, Pipe, WakeSocket, pipe_pair, wake_pair
+from clusterenv.wire.pipes import WOKEN, Pipe, pipe_pair
 from clusterenv.wire.protocol import Kind, Message
 from clusterenv.wire.step_region import (
     DONE,
@@ -569,20 +569,34 @@ def test_admitting_workers_keeps_the_shared_step_replies_it_reads_for_the_pool()
 
 
 def test_a_worker_takes_a_step_before_a_record_sent_after_it():
-    """A CLOSE sent while a step is in flight comes after that step, as on one ordered channel."""
+    """A CLOSE sent while a step is in flight comes after that step's wake-up: both travel on the pipe, in order."""
     learner, worker = pipe_pair()
-    learner_wake, worker_wake = wake_pair()
-    carrier = PipeCarrier(Pipe(worker, 1 << 20, blocking=True), WakeSocket(worker_wake, blocking=True, takes_fds=True))
+    carrier = PipeCarrier(Pipe(worker, 1 << 20, blocking=True))
     try:
-        WakeSocket(learner_wake, blocking=False, takes_fds=False).wake()
-        Pipe(learner, 1 << 20, blocking=False).write([b"close"])
-        time.sleep(0.05)  # both have arrived before the worker looks
+        ours = Pipe(learner, 1 << 20, blocking=False)
+        ours.write_wake()
+        ours.write([b"close"])
         assert carrier.recv(1000, routed=False) == (None, WOKEN)
         assert [bytes(frame) for frame in carrier.recv(1000, routed=False)[1]] == [b"close"]
     finally:
         carrier.close(0)
         learner.close()
-        learner_wake.close()
+
+
+def test_a_worker_waits_on_its_pipe_alone_within_the_bound_it_was_given():
+    """Nothing sent: a wait of 0 returns at once, one of 200 ms returns after it; a wake-up then ends the next wait."""
+    learner, worker = pipe_pair()
+    carrier = PipeCarrier(Pipe(worker, 1 << 20, blocking=True))
+    try:
+        started = time.monotonic()
+        assert carrier.recv(0, routed=False) is None
+        assert carrier.recv(200, routed=False) is None
+        assert 0.19 <= time.monotonic() - started < 5.0
+        threading.Timer(0.05, Pipe(learner, 1 << 20, blocking=False).write_wake).start()
+        assert carrier.recv(5000, routed=False) == (None, WOKEN)
+    finally:
+        carrier.close(0)
+        learner.close()
 
 
 @pytest.mark.parametrize("mode", [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP], ids=["next_step", "same_step"])

@@ -6,6 +6,11 @@ signal alone, as the learner pays it: two forked workers block on their wake-up,
 as much and then blocks reading both replies (no spinning anywhere). Reported: wall time per
 round and the learner's CPU per round beyond its own burn, medians of alternated rounds.
 
+Two more rows give the worker's wait the shape it has in clusterenv: ``select`` over two
+descriptors and then a read (how a worker waited on its pipe and its wake socket together),
+against one read bounded by ``SO_RCVTIMEO`` (how it waits now, on its pipe alone, where the
+learner's wake-ups come as records).
+
     python benchmarks/probes/wakeups.py
 
 Writes ``results/wakeups.md``.
@@ -15,8 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import select
 import socket
 import statistics
+import struct
 import sys
 import time
 from pathlib import Path
@@ -42,8 +49,20 @@ def _burn(us: float) -> None:
         pass
 
 
+SELECT_THEN_READ = "socket pair, the worker's select over 2 descriptors, then a read"
+BOUNDED_READ = "socket pair, one read bounded by SO_RCVTIMEO each side"
+_BOUND = (0, 50_000)  # 50 ms, as the learner's wait
+
+
 def _channel(kind: str) -> tuple[int, int, int, int, object]:
     """(learner writes, learner reads, worker reads, worker writes, what keeps them open)."""
+    if kind in (SELECT_THEN_READ, BOUNDED_READ):
+        ours, theirs = socket.socketpair()
+        idle = socket.socketpair()  # the worker's second descriptor, on which nothing comes
+        if kind == BOUNDED_READ:
+            for end in (ours, theirs):
+                end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", *_BOUND))
+        return ours.fileno(), ours.fileno(), theirs.fileno(), theirs.fileno(), (ours, theirs, *idle)
     if kind == "pipe":
         command_r, command_w = os.pipe()
         reply_r, reply_w = os.pipe()
@@ -62,21 +81,23 @@ def _signal(kind: str, fd: int) -> None:
         os.write(fd, b"w")
 
 
-def _wait(kind: str, fd: int) -> None:
+def _wait(kind: str, fd: int, keep: object = None) -> None:
     if kind == "eventfd":
         os.eventfd_read(fd)
-    else:
-        os.read(fd, 1)
+        return
+    if kind == SELECT_THEN_READ and keep is not None:  # the worker's wait
+        select.select([fd, keep[2].fileno()], [], [])  # type: ignore[index]
+    os.read(fd, 64)
 
 
 def run(kind: str, steps: int, work_us: float) -> tuple[float, float]:
     channels = [_channel(kind) for _ in range(2)]
     pids = []
-    for _, _, worker_reads, worker_writes, _ in channels:
+    for _, _, worker_reads, worker_writes, keep in channels:
         pid = os.fork()
         if pid == 0:
             for _ in range(steps):
-                _wait(kind, worker_reads)
+                _wait(kind, worker_reads, keep)
                 _burn(work_us)
                 _signal(kind, worker_writes)
             os._exit(0)
@@ -98,7 +119,7 @@ def run(kind: str, steps: int, work_us: float) -> tuple[float, float]:
 
 
 def main(args: Args) -> None:
-    kinds = ("socket pair", "pipe", "eventfd")
+    kinds = ("socket pair", "pipe", "eventfd", SELECT_THEN_READ, BOUNDED_READ)
     results: dict[str, list[tuple[float, float]]] = {kind: [] for kind in kinds}
     for _ in range(args.rounds):
         for kind in kinds:

@@ -218,7 +218,7 @@ class SharedSteps:
         self._counters[worker_id] = counter
 
     def _wake_if_waiting(self, worker_id: int) -> None:
-        """A wake-up byte for worker ``worker_id`` if it raised its *waits* word (after our fence)."""
+        """A wake-up for worker ``worker_id`` (on its pipe) if it raised its *waits* word (after our fence)."""
         if self.region.workers[worker_id].reply[WORKER_WAITS]:
             try:
                 self._wakers[worker_id]()  # never blocks

@@ -192,28 +192,14 @@ class PipeCarrier:
         self.pipe.write(frames)
 
     def recv(self, timeout_ms: int, routed: bool) -> Received | None:
-        """The next record from the learner, or a wake-up (frames :data:`~clusterenv.wire.pipes.WOKEN`)."""
-        waker = self.wake_socket
-        if waker is None:
-            record = self.pipe.read(timeout_ms)
-            return None if record is None else (None, record)
-        deadline = None if timeout_ms < 0 else time.monotonic() + timeout_ms / 1000
-        while True:
-            # Wake-ups first: the learner sends a record while a step is in flight (a CLOSE), never
-            # a step while a record waits for its reply, so a wake-up read is always the older.
-            if waker.take():
-                return None, WOKEN
-            record = self.pipe.buffered()
-            if record is not None:
-                return None, record
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            readable = select.select([self.pipe.fd, waker.fd], [], [], remaining)[0]
-            if waker.fd in readable:
-                waker.read()
-            if self.pipe.fd in readable:
-                self.pipe.fill()
-            elif not readable and deadline is not None and time.monotonic() >= deadline:
-                return None
+        """The next record from the learner, or a wake-up (frames :data:`~clusterenv.wire.pipes.WOKEN`).
+
+        Both come on the pipe, in the order they were sent: one descriptor to wait on.
+        """
+        record = self.pipe.read(timeout_ms)
+        if record is None:
+            return None
+        return None, (record if record else WOKEN)  # a record of no frames wakes the worker
 
     def can_wake(self, peer: bytes | None) -> bool:
         """Whether the learner gave this worker a wake socket."""

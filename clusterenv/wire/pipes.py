@@ -11,13 +11,16 @@ thread to be scheduled.
 
 The messages are the same as on ZeroMQ (joins, sessions, counters, MACs): a pipe only
 carries them, each as one record ``[frame count: u32][body bytes: u64][frame lengths: u64...]
-[frames...]``. Only the learner and the child it started hold the pair.
+[frames...]``. Only the learner and the child it started hold the pair. A record of no
+frames is the learner waking the worker on the shared step path: the worker then waits on
+one descriptor, its pipe, for its commands, its messages and its wake-ups alike.
 
 The learner's ends never block: what the kernel does not take at once waits in order and
 leaves while the learner receives (as in a ZeroMQ socket's queue), so that a worker writing
 a large reply while the learner writes a large command to it cannot deadlock them, and a
 frozen worker cannot hang the learner. Receiving polls the ZeroMQ socket and every pipe at
-once. A worker's end blocks: a worker only ever waits for its learner, which always reads.
+once. A worker's end blocks, in one read bounded by ``SO_RCVTIMEO``: a worker only ever waits
+for its learner, which always reads.
 """
 
 from __future__ import annotations
@@ -54,6 +57,10 @@ _MAX_IOV = 512
 #: The longest the learner's blocking read of one wake socket waits (then the pool checks liveness).
 WAKE_READ_TIMEOUT_S = 0.05
 _RECEIVE_TIMEOUT = struct.pack("ll", 0, int(WAKE_READ_TIMEOUT_S * 1e6))  # struct timeval
+# A record of no frames: the learner wakes a worker (the shared step path), on its pipe.
+_WAKE_RECORD = _PREFIX.pack(0, 0)
+# Wake-ups kept for a pipe the kernel takes nothing more of: beyond, its worker is not reading.
+_MAX_QUEUED_WAKES = 1024
 # ZeroMQ messages taken per poll before the pipes get their turn again.
 _MAX_ZMQ_PER_POLL = 64
 
@@ -92,14 +99,16 @@ _FD = b"f"
 
 
 class WakeSocket:
-    """One end of a wake socket: single bytes that say "your turn" on the shared step path, and the region's file.
+    """One end of a wake socket: a worker's wake-up bytes for the learner (the shared step path), and the region's file.
 
     The learner reads its end only where a byte has arrived, or in a read bounded by
-    ``WAKE_READ_TIMEOUT_S`` (:meth:`LearnerPipes.await_wake_up`). A worker's end waits in
-    :meth:`PipeCarrier.recv <clusterenv.wire.carriers.PipeCarrier.recv>` together with its pipe.
-    Bytes read are counted, so that two wake-ups read at once are two.
+    ``WAKE_READ_TIMEOUT_S`` (:meth:`LearnerPipes.await_wake_up`). A worker reads its end only
+    for the region's file (:meth:`PipeCarrier.take_fd
+    <clusterenv.wire.carriers.PipeCarrier.take_fd>`): the learner wakes it with a record on its
+    pipe, so that it waits on one descriptor. Bytes read are counted, so that two wake-ups
+    read at once are two.
 
-    At most one wake-up is in flight each way, so a byte always fits unless the other end has
+    At most one wake-up is in flight, so a byte always fits unless the other end has
     stopped reading what the protocol has it read. The learner's end never waits for that
     (``never_waits``): it sends without blocking, and a channel found full is a
     ``ProtocolError``, so that a worker that never drains its end cannot hang the learner. A
@@ -182,7 +191,7 @@ class WakeSocket:
 
 def _full() -> ProtocolError:
     return ProtocolError(
-        "its wake channel is full (it has not read the wake-up bytes sent to it; the protocol never has more "
+        "its wake channel is full (it has not read the wake-ups sent to it; the protocol never has more "
         "than one in flight)"
     )
 
@@ -232,7 +241,11 @@ class Pipe:
         #: The peer's routing id: the first record a worker sends (learner's ends; ``None`` until then).
         self.identity: bytes | None = None
         self._buffer = bytearray()
+        self._chunk = bytearray(_READ_CHUNK)  # what one read takes (see _fill)
+        self._chunk_view = memoryview(self._chunk)
         self._unsent: list[Any] = []
+        self._receive_timeout: float | None = None  # the SO_RCVTIMEO set (a blocking end), None: none
+        self._queued_wakes = 0  # wake-ups in _unsent (see write_wake)
 
     # -- reading ---------------------------------------------------------------------------
     def _next_record(self) -> list[memoryview] | None:
@@ -241,6 +254,9 @@ class Pipe:
         if len(buffer) < _PREFIX.size:
             return None
         count, body = _PREFIX.unpack_from(buffer)
+        if not body and not count:  # a wake-up
+            del buffer[: _PREFIX.size]
+            return []
         if count > _MAX_FRAMES or body > self.max_record_bytes or body < 8 * count:
             self.close()
             raise PipeClosed(f"A pipe record announced {count} frames in {body} bytes; the pipe was closed.")
@@ -259,15 +275,28 @@ class Pipe:
             raise PipeClosed("A pipe record's frame lengths do not add up to its size; the pipe was closed.")
         return frames
 
-    def _fill(self) -> bool:
-        """Read what has arrived (blocking ends: wait for something); ``False`` if nothing could be read."""
+    def _fill(self, flags: int = 0) -> bool:
+        """Read what has arrived (blocking ends: wait for something); ``False`` if nothing could be read.
+
+        ``flags``: ``MSG_DONTWAIT`` reads a blocking end without waiting.
+
+        Into a chunk kept from read to read: ``recv(n)`` allocates its ``n`` bytes before it
+        reads, about 10 µs for a chunk's 256 KB, even when a record of 12 bytes is waiting or
+        nothing is. A record larger than the chunk is read whole, once its size is known.
+        """
+        missing = self._missing()
         try:
-            chunk = self.sock.recv(max(_READ_CHUNK, self._missing()))
+            if missing > _READ_CHUNK:
+                chunk: Any = self.sock.recv(missing, flags)
+                read = len(chunk)
+            else:
+                read = self.sock.recv_into(self._chunk, 0, flags)
+                chunk = self._chunk_view[:read]
         except (BlockingIOError, InterruptedError):
             return False
         except OSError:
-            chunk = b""
-        if not chunk:
+            read = 0
+        if not read:
             self.close()
             raise PipeClosed("The other end of the pipe closed it.")
         self._buffer += chunk
@@ -300,23 +329,65 @@ class Pipe:
                 return records
 
     def read(self, timeout_ms: int) -> list[memoryview] | None:
-        """The next record, waiting up to ``timeout_ms`` (0: only what arrived; -1: forever); ``None`` on time-out."""
+        """The next record, waiting up to ``timeout_ms`` (0: only what arrived; -1: forever); ``None`` on time-out.
+
+        A blocking end's. Each wait is one read, bounded by ``SO_RCVTIMEO``: a worker woken on
+        the shared step path pays one system call, not a ``select`` and then a read.
+        """
         deadline = None if timeout_ms < 0 else time.monotonic() + timeout_ms / 1000
         while True:
             record = self._next_record()
             if record is not None:
                 return record
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if select.select([self.fd], [], [], remaining)[0]:
-                self._fill()
-            elif deadline is not None and time.monotonic() >= deadline:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                if not self._fill(socket.MSG_DONTWAIT):
+                    return None
+                continue
+            self._bound_reads(remaining)
+            if not self._fill() and deadline is not None and time.monotonic() >= deadline:
                 return None
+
+    def _bound_reads(self, seconds: float | None) -> None:
+        """Bound a blocking read to ``seconds`` (``None``: unbounded), set only when it changes."""
+        if seconds is not None:
+            seconds = max(round(seconds, 3), 0.001)  # whole ms: a worker's waits repeat their bound; 0 means forever
+        if seconds != self._receive_timeout:
+            whole = 0 if seconds is None else int(seconds)
+            micros = 0 if seconds is None else round((seconds - whole) * 1e6)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", whole, micros))
+            self._receive_timeout = seconds
 
     # -- writing ---------------------------------------------------------------------------
     @property
     def pending(self) -> bool:
         """Whether bytes wait to be written (non-blocking ends)."""
         return bool(self._unsent)
+
+    def write_wake(self) -> None:
+        """Send a record of no frames: the learner wakes a worker on the shared step path (one ``send``).
+
+        A worker is woken once per command, and reads its pipe when it is: a pipe that has
+        kept :data:`_MAX_QUEUED_WAKES` of them unsent belongs to a worker that stopped reading
+        (frozen, or not ours), and raises ``ProtocolError`` rather than keep more.
+        """
+        if self._unsent:  # behind what waits
+            if self._queued_wakes >= _MAX_QUEUED_WAKES:
+                raise _full()
+            self._unsent.append(_WAKE_RECORD)
+            self._queued_wakes += 1
+            self.flush()
+            return
+        try:
+            sent = self.sock.send(_WAKE_RECORD)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError as exc:
+            self.close()
+            raise PipeClosed(f"The other end of the pipe is gone ({exc}).") from None
+        if sent < len(_WAKE_RECORD):
+            self._unsent = [memoryview(_WAKE_RECORD)[sent:]]
+            self._queued_wakes = 1
 
     def write(self, frames: Sequence[Any]) -> None:
         """Send one record.
@@ -338,6 +409,7 @@ class Pipe:
                 self.close()
                 raise PipeClosed(f"The other end of the pipe is gone ({exc}).") from None
             self._unsent = _advance(self._unsent, sent)
+        self._queued_wakes = 0
 
     def close(self) -> None:
         """Close this end; the peer reads the end of the stream."""
@@ -402,13 +474,14 @@ class LearnerPipes:
         return pipe is not None and pipe in self._wakes and not self._wakes[pipe].closed
 
     def waker(self, identity: bytes) -> Callable[[], None]:
-        """A function that sends a wake-up byte to the worker process ``identity`` (looked up once, not per step).
+        """A function that wakes the worker process ``identity`` (looked up once, not per step).
 
-        It raises ``zmq.ZMQError(EHOSTUNREACH)`` once the process is gone, as a send does, and
-        ``ProtocolError`` if the process has not read the wake-ups sent before (it never blocks).
+        The wake-up is a record of no frames on its pipe, behind whatever was sent before it.
+        It raises ``zmq.ZMQError(EHOSTUNREACH)`` once the process is gone, as a send does; it
+        never blocks.
         """
-        pipe, waker = self._wake_socket(identity)
-        return lambda: self._on_wake(identity, pipe, waker, WakeSocket.wake)
+        pipe, _ = self._wake_socket(identity)
+        return lambda: self._write(pipe, Pipe.write_wake)
 
     def pass_fd(self, identity: bytes, fd: int) -> None:
         """Send a file descriptor to the worker process ``identity`` over its wake socket; raises as :meth:`waker`'s."""
@@ -439,7 +512,9 @@ class LearnerPipes:
             self._remove(pipe)
 
     def _remove(self, pipe: Pipe) -> None:
-        if self._by_fd.pop(pipe.fd, None) is not None:
+        # This pipe's own entries only: a descriptor closed earlier may number a newer pipe now.
+        if self._by_fd.get(pipe.fd) is pipe:
+            del self._by_fd[pipe.fd]
             self._poller.unregister(pipe.fd)
         if pipe.identity is not None and self._by_identity.get(pipe.identity) is pipe:
             del self._by_identity[pipe.identity]
@@ -447,7 +522,8 @@ class LearnerPipes:
             pipe.close()
         waker = self._wakes.pop(pipe, None)
         if waker is not None:
-            if self._by_wake_fd.pop(waker.fd, None) is not None:
+            if self._by_wake_fd.get(waker.fd) is pipe:
+                del self._by_wake_fd[waker.fd]
                 self._poller.unregister(waker.fd)
             if not waker.closed:
                 waker.close()
@@ -462,13 +538,18 @@ class LearnerPipes:
 
         A pipe that is gone raises ``zmq.ZMQError(EHOSTUNREACH)``, as a ROUTER_MANDATORY socket does.
         """
-        pipe = self._by_identity[identity]
+        self._write(self._by_identity[identity], lambda pipe: pipe.write(frames))
+
+    def _write(self, pipe: Pipe, write: Callable[[Pipe], None]) -> None:
+        """``write(pipe)``, without blocking: what the kernel does not take leaves while receiving."""
         waited = pipe.pending
         try:
-            pipe.write(frames)
+            if pipe.closed:
+                raise PipeClosed("The pipe is closed.")
+            write(pipe)
         except PipeClosed:
             self._remove(pipe)
-            raise zmq.ZMQError(errno.EHOSTUNREACH, f"the pipe to {identity!r} is closed") from None
+            raise zmq.ZMQError(errno.EHOSTUNREACH, f"the pipe to {pipe.identity!r} is closed") from None
         if pipe.pending and not waited:
             self._poller.modify(pipe.fd, select.POLLIN | select.POLLOUT)
 

@@ -19,8 +19,8 @@ the worker echoes in any message it sends about this step) and a fresh ``counter
 than the last, never reused). A reply is the observations, rewards and flags written into
 the worker's rows, then the reply ``counter`` (the command's) and a final ``status``. Each
 side waits for the other's counter by reading it: for a short while in a loop (a *spin*),
-then by blocking on its wake socket after raising its *waits* word. The other side writes a
-wake-up byte only when it sees that word raised (both sides fence between their store and
+then by blocking after raising its *waits* word (the learner on its wake socket, a worker on
+its pipe). The other side writes a wake-up only when it sees that word raised (both sides fence between their store and
 their load, so that one of them always sees the other's), and a waiter that wakes reads the
 words again: a byte that finds nothing new is ignored. So a wake-up lost to an interrupted
 read, or one left over from a race, can neither hang a step nor answer one.

@@ -10,9 +10,10 @@ is an ERROR message, as on the message path.
 
 Between steps the worker spins on its command counter for a while
 (:class:`~clusterenv.wire.waiting.SpinBudget`) and steps again as soon as it changes, with
-no system call at all; past the bound it returns to its mailbox, which blocks on its pipe
-and wake socket after raising the header's *waits* word (:meth:`_SharedStepper.sleep`). A
-wake-up byte only says "read the counter": one that finds no new command is ignored.
+no system call at all; past the bound it returns to its mailbox, which blocks in one read
+of its pipe after raising the header's *waits* word (:meth:`_SharedStepper.sleep`): the
+learner's messages and its wake-ups (records of no frames) come there, in order. A wake-up
+only says "read the counter": one that finds no new command is ignored.
 """
 
 from __future__ import annotations
