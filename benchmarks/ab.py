@@ -3,8 +3,9 @@
 Each run is a fresh process that imports clusterenv from one checkout (its workers too) and
 steps one cell in lockstep for ``--seconds``; the two checkouts take turns, cell by cell, for
 ``--rounds`` rounds, and the medians are compared. Cells: ``cartpole16`` (16 CartPoles on 2
-workers, where the learner's per-step cost shows most) and ``null64`` (64 ``NullEnv`` on 16
-workers: transport and bookkeeping only).
+workers, where the learner's per-step cost shows most), ``null64`` (64 ``NullEnv`` on 16
+workers: transport and bookkeeping only) and, when asked for, ``halfcheetah16`` (16
+HalfCheetah-v5 on 2 workers: MuJoCo steps and infos in the region).
 
     git worktree add /tmp/base <commit>
     python benchmarks/ab.py --base /tmp/base --label "worker_info usage, learner_info, env step times"
@@ -35,9 +36,13 @@ sys.path.insert(0, {benchmarks!r})
 import gymnasium as gym, numpy as np
 from bench_envs import NullEnv
 from clusterenv import ClusterEnv
-fns, workers = ([lambda: gym.make("CartPole-v1")] * 16, 2) if {cell!r} == "cartpole16" else ([NullEnv] * 64, 16)
+fns, workers = {{
+    "cartpole16": ([lambda: gym.make("CartPole-v1")] * 16, 2),
+    "halfcheetah16": ([lambda: gym.make("HalfCheetah-v5")] * 16, 2),
+    "null64": ([NullEnv] * 64, 16),
+}}[{cell!r}]
 with ClusterEnv(fns, num_workers=workers) as envs:
-    actions = np.zeros(len(fns), np.int64)
+    actions = np.zeros(envs.action_space.shape, envs.action_space.dtype)
     envs.reset(seed=0)
     for _ in range(100):
         envs.step(actions)
