@@ -79,7 +79,8 @@ class RecordingVectorEnv(SyncVectorEnv):
         tracked = self.envs
         clock = tracked.tracker.clock
         timed = clock.start()  # the others pay no clock read, and no Python call per env indexed
-        self.envs = self._timed if timed else self._untracked
+        # For this loop only: SyncVectorEnv.step indexes any list (the other loops keep the tracked one).
+        self.envs = self._timed if timed else self._untracked  # type: ignore[assignment]
         try:
             return super().step(actions)
         except BaseException as exc:
