@@ -283,7 +283,9 @@ def drive(envs: ClusterEnv, mode: str) -> dict | None:
         return None
     if mode == "first-ready":
         envs.async_reset(seed=0)
-        for _ in range(64):  # each worker's envs come back about every other time
+        # Whichever worker is ready first comes back: the other one's envs may come back once in ten or
+        # less on a loaded machine, so the raising env is given up to 2,000 batches to reach its step.
+        for _ in range(2_000):
             *_, env_ids = envs.recv(timeout=30)
             envs.send(np.zeros(len(env_ids), np.int64), env_ids)
         return None

@@ -2,8 +2,9 @@
 
 Each run is ``examples/ppo_cartpole.py`` itself (its own process, its own start-up), with
 ``ClusterEnv.__init__``, ``ClusterEnv.step``, ``SyncVectorEnv.step`` (the learner's own envs
-step through it too), ``Tensor.backward`` and ``Adam.step`` wrapped with a clock; the loop's
-own work is the rest of the run. Configurations alternate, run by run.
+step through it too), the lockstep step's wait for each worker's words
+(``SharedSteps.await_words``), ``Tensor.backward`` and ``Adam.step`` wrapped with a clock; the
+loop's own work is the rest of the run. Configurations alternate, run by run.
 
     python benchmarks/probes/ppo_phases.py                  # 3 configurations x 2 runs, about 2 minutes
     python benchmarks/probes/ppo_phases.py --runs 1         # a smoke run
@@ -39,6 +40,7 @@ _RUN = r"""
 import collections, json, runpy, sys, tempfile, time
 import gymnasium as gym, torch
 import clusterenv
+from clusterenv.learner.shared_steps import SharedSteps
 spent = collections.Counter()
 
 def timed(owner, name, label):
@@ -54,6 +56,7 @@ def timed(owner, name, label):
 timed(clusterenv.ClusterEnv, "__init__", "build")
 timed(clusterenv.ClusterEnv, "step", "clusterenv step")
 timed(gym.vector.SyncVectorEnv, "step", "SyncVectorEnv step")
+timed(SharedSteps, "await_words", "waiting for the worker")
 timed(torch.Tensor, "backward", "backward")
 timed(torch.optim.Adam, "step", "optimizer")
 with tempfile.TemporaryDirectory() as runs:
@@ -99,9 +102,11 @@ def row(name: str, runs: list[dict[str, float]], steps: int) -> str:
     update = median("backward") + median("optimizer")
     rest = total - build - step - update
     own_cell = "—" if own is None else f"{own:.2f} s ({own / steps * 1e6:.0f} µs)"
+    wait = median("waiting for the worker") if own is not None else None
+    wait_cell = "—" if wait is None else f"{wait:.2f} s ({wait / steps * 1e6:.0f} µs)"
     return (
         f"| {name} | {total:.2f} s | {build:.2f} s | {step:.2f} s ({step / steps * 1e6:.0f} µs) | {own_cell} "
-        f"| {update:.2f} s | {rest:.2f} s ({rest / steps * 1e6:.0f} µs) |"
+        f"| {wait_cell} | {update:.2f} s | {rest:.2f} s ({rest / steps * 1e6:.0f} µs) |"
     )
 
 
@@ -118,8 +123,9 @@ def main(args: Args) -> None:
         f"actions; medians of {args.runs} alternated runs; per batch step in brackets ({steps:,} steps).",
         "",
         "| configuration | run | building the ClusterEnv | `step` | the learner's own envs, within `step` "
-        "| update (backward, optimizer) | the loop's own work (the rest) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| waiting for the worker's words, within `step` | update (backward, optimizer) | the loop's own work "
+        "(the rest) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
         *(row(name, runs, steps) for name, runs in results.items()),
     ]
     text = "\n".join(lines) + "\n"
