@@ -79,9 +79,9 @@ class RecordingVectorEnv(SyncVectorEnv):
         tracked = self.envs
         clock = tracked.tracker.clock
         timed = clock.start()  # the others pay no clock read, and no Python call per env indexed
-        # For this loop only: SyncVectorEnv.step indexes any list (the other loops keep the tracked one).
-        self.envs = self._timed if timed else self._untracked  # type: ignore[assignment]
         try:
+            # For this loop only: SyncVectorEnv.step indexes any list (the other loops keep the tracked one).
+            self.envs = self._timed if timed else self._untracked  # type: ignore[assignment]
             return super().step(actions)
         except BaseException as exc:
             tracked.tracker.reached = index_in_step(exc.__traceback__)

@@ -245,7 +245,7 @@ class Pipe:
         self._chunk_view = memoryview(self._chunk)
         self._unsent: list[Any] = []
         self._receive_timeout: float | None = None  # the SO_RCVTIMEO set (a blocking end), None: none
-        self._queued_wakes = 0  # wake-ups in _unsent (see write_wake)
+        self._queued_wakes = 0  # wake-ups queued since the kernel last took bytes (see write_wake)
 
     # -- reading ---------------------------------------------------------------------------
     def _next_record(self) -> list[memoryview] | None:
@@ -309,14 +309,6 @@ class Pipe:
         _, body = _PREFIX.unpack_from(self._buffer)
         return min(body, self.max_record_bytes) + _PREFIX.size - len(self._buffer)
 
-    def buffered(self) -> list[memoryview] | None:
-        """The next record already read into the buffer, if complete; reads nothing."""
-        return self._next_record()
-
-    def fill(self) -> None:
-        """Read what has arrived (a blocking end waits for something)."""
-        self._fill()
-
     def read_available(self) -> list[list[memoryview]]:
         """Every complete record that has arrived (non-blocking ends), without waiting."""
         records = []
@@ -368,8 +360,9 @@ class Pipe:
         """Send a record of no frames: the learner wakes a worker on the shared step path (one ``send``).
 
         A worker is woken once per command, and reads its pipe when it is: a pipe that has
-        kept :data:`_MAX_QUEUED_WAKES` of them unsent belongs to a worker that stopped reading
-        (frozen, or not ours), and raises ``ProtocolError`` rather than keep more.
+        queued :data:`_MAX_QUEUED_WAKES` of them while the kernel took nothing more of it
+        belongs to a worker that stopped reading (frozen, or not ours), and raises
+        ``ProtocolError`` rather than keep more.
         """
         if self._unsent:  # behind what waits
             if self._queued_wakes >= _MAX_QUEUED_WAKES:
@@ -409,7 +402,7 @@ class Pipe:
                 self.close()
                 raise PipeClosed(f"The other end of the pipe is gone ({exc}).") from None
             self._unsent = _advance(self._unsent, sent)
-        self._queued_wakes = 0
+            self._queued_wakes = 0  # the worker reads: the wake-ups queued so far are on their way
 
     def close(self) -> None:
         """Close this end; the peer reads the end of the stream."""
