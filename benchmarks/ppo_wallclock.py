@@ -63,11 +63,21 @@ class Args:
     seeds: tuple[int, ...] = (1, 2, 3, 4, 5)
     """one run per seed and configuration"""
     configs: tuple[str, ...] = tuple(CONFIGS)
-    """which configurations (names as in the table)"""
+    """which configurations (names as in the table, or ``"clusterenv FLAGS..."`` for the example's flags)"""
     total_timesteps: int = 300_000
     """env steps per run (the example's default)"""
     name: str = "ppo_wallclock"
     """the results' file name in results/ (``NAME.md``, ``NAME.json``)"""
+
+
+def flags_of(name: str) -> list[str]:
+    """The example's flags for a configuration: a name of :data:`CONFIGS`, or ``clusterenv`` and its flags."""
+    if name in CONFIGS:
+        return CONFIGS[name]
+    backend, *flags = name.split()
+    if backend != "clusterenv":
+        raise SystemExit(f"error: configuration {name!r}: expected one of {list(CONFIGS)}, or 'clusterenv FLAGS...'")
+    return flags
 
 
 def run(flags: list[str], seed: int, total_timesteps: int) -> dict[str, float]:
@@ -88,7 +98,7 @@ def main(args: Args) -> None:
     results: dict[str, list[dict[str, float]]] = {name: [] for name in args.configs}
     for seed in args.seeds:
         for name in args.configs:
-            outcome = run(CONFIGS[name], seed, args.total_timesteps)
+            outcome = run(flags_of(name), seed, args.total_timesteps)
             results[name].append({"seed": seed, **outcome})
             print(f"seed {seed} {name}: {outcome['wall_s']:.1f} s, return {outcome['final_return']:.1f}", flush=True)
     base = statistics.median(r["wall_s"] for r in results["gym"]) if "gym" in results else None

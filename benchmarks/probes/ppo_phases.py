@@ -6,7 +6,7 @@ step through it too), the lockstep step's wait for each worker's words
 (``SharedSteps.await_words``), ``Tensor.backward`` and ``Adam.step`` wrapped with a clock; the
 loop's own work is the rest of the run. Configurations alternate, run by run.
 
-    python benchmarks/probes/ppo_phases.py                  # 3 configurations x 2 runs, about 2 minutes
+    python benchmarks/probes/ppo_phases.py                  # 4 configurations x 2 runs, about 2 minutes
     python benchmarks/probes/ppo_phases.py --runs 1         # a smoke run
 
 Writes ``results/ppo_phases.md``.
@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 CONFIGS = {
     "gym": ["--backend", "gym"],
+    "--num-workers 1": ["--num-workers", "1"],
     "--num-workers 1 --learner-envs 4": ["--num-workers", "1", "--learner-envs", "4"],
     "--num-workers 1 --learner-envs 4 --spin-us 0": ["--num-workers", "1", "--learner-envs", "4", "--spin-us", "0"],
 }
@@ -98,11 +99,12 @@ def row(name: str, runs: list[dict[str, float]], steps: int) -> str:
     total, build = median("total"), median("build")
     # The learner's own envs step through SyncVectorEnv inside ClusterEnv.step: the step is ClusterEnv's.
     step = median("clusterenv step") or median("SyncVectorEnv step")
-    own = median("SyncVectorEnv step") if median("clusterenv step") else None
+    stepped_by_clusterenv = bool(median("clusterenv step"))
+    own = median("SyncVectorEnv step") if stepped_by_clusterenv else None
     update = median("backward") + median("optimizer")
     rest = total - build - step - update
     own_cell = "—" if own is None else f"{own:.2f} s ({own / steps * 1e6:.0f} µs)"
-    wait = median("waiting for the worker") if own is not None else None
+    wait = median("waiting for the worker") if stepped_by_clusterenv else None
     wait_cell = "—" if wait is None else f"{wait:.2f} s ({wait / steps * 1e6:.0f} µs)"
     return (
         f"| {name} | {total:.2f} s | {build:.2f} s | {step:.2f} s ({step / steps * 1e6:.0f} µs) | {own_cell} "

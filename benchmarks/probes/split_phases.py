@@ -36,7 +36,6 @@ from spin_floor import SpinFloor  # noqa: E402
 
 from clusterenv import ClusterEnv  # noqa: E402
 from clusterenv.learner.call_state import AsyncState  # noqa: E402
-from clusterenv.wire.pipes import WAKE_READ_TIMEOUT_S  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 PHASES = ("start", "actions", "record", "command", "own envs", "wait", "results")
@@ -59,36 +58,35 @@ class _Unusual(Exception):
 
 
 def _timed_step(env: ClusterEnv, actions: np.ndarray, totals: np.ndarray) -> None:
-    """``ClusterEnv.step``'s lockstep path (learner/vector_env.py, learner/lockstep.py) with a clock between phases."""
+    """``Lockstep.step`` (learner/lockstep.py) with a clock between its phases."""
     clock = time.perf_counter_ns
     t0 = clock()
     lockstep = env._lockstep
-    if lockstep is None or not lockstep.ready():
+    if lockstep is None or env._needs_reset:
         raise _Unusual
-    env._begin(AsyncState.WAITING_STEP, "step_async")
-    env._check_reset_before_step()
+    call, pool = env._call, env._pool
+    if call.state is not AsyncState.DEFAULT or env._first_ready.busy_workers() or not pool.can_step_shared():
+        raise _Unusual
     t1 = clock()
-    leaves = lockstep.leaves(actions)
+    leaves = lockstep._leaves(actions)
+    if leaves is None:
+        raise _Unusual
     t2 = clock()
+    seq = pool.new_call()
     env._env_calls.expect_own_step(leaves, None, env.single_action_space)
-    env._pool.outbox.record_shared(leaves)
-    env._call.state, env._call.pending = AsyncState.WAITING_STEP, lockstep.workers
+    pool.outbox.record_shared(leaves)
+    call.state, call.pending = AsyncState.WAITING_STEP, lockstep.workers
     t3 = clock()
-    pool, path = lockstep._pool, lockstep._path
-    pool.outbox.command_shared(pool.seq)
+    pool.outbox.command_shared(seq)
     t4 = clock()
     env._run_own()
     t5 = clock()
-    if not pool.may_wait_on_words():
+    answers = lockstep._answers()
+    if answers is None:
         raise _Unusual
-    answers = []
-    for worker_id in lockstep.workers:
-        if not path.await_words(worker_id, WAKE_READ_TIMEOUT_S) or (answer := path.final_status(worker_id)) is None:
-            raise _Unusual
-        answers.append(answer)
     t6 = clock()
-    env._call.state = AsyncState.DEFAULT
-    lockstep.results(answers)
+    call.state = AsyncState.DEFAULT
+    lockstep._results(answers)
     t7 = clock()
     totals += np.array([t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t7 - t6])
 

@@ -133,7 +133,7 @@ def build_envs(
         step_fields=None if region is None else region.step_fields,
     )
     if own is not None:
-        own.observe_into(buffers.observations)
+        own.write_into(buffers.observations, (buffers.rewards, buffers.terminations, buffers.truncations))
     return BuiltEnvs(
         metadata={**descriptions[0]["metadata"], "autoreset_mode": mode},
         render_mode=descriptions[0]["render_mode"],

@@ -61,6 +61,8 @@ class FirstReady:
 
     def busy_workers(self) -> list[int]:
         """Workers whose envs are not in the caller's hands: stepping, or replied and not yet recv()'d."""
+        if not self.in_flight and not self._arrived:  # every lockstep call asks: the common answer, at once
+            return []
         return [*self.in_flight, *(w for w, _, _ in self._arrived)]
 
     def envs_in_flight(self) -> int:

@@ -73,13 +73,16 @@ class Outbox:
         self._step_path = step_path
         #: Each worker's latest command, for recovery should the worker be lost before answering it.
         self.last_sent: dict[int, SentCommand] = {}
-        self._sent_at: dict[int, float] = {}  # when each worker was last sent a command
+        # When each worker was last sent a command; a worker not here was last sent the lockstep step recorded at
+        # _shared_sent_at (record_shared() stamps every worker at once), if any.
+        self._sent_at: dict[int, float] = {}
         #: Workers whose latest command has had no reply yet.
         self.awaiting: set[int] = set()
         # The current call's commands recorded but not yet delivered. Worker → the channel's count of messages
         # sent to it before its command (None: into the step region).
         self._unsent: dict[int, int | None] = {}
         self._shared_actions: Sequence[np.ndarray] = ()  # the batch's actions of the last send_shared()
+        self._shared_sent_at: float | None = None
         ids = range(num_workers)
         # What send_shared() records for every worker, made once rather than per step.
         self._every_worker = ids
@@ -207,7 +210,8 @@ class Outbox:
         self._shared_actions = actions
         every = self._every_worker
         self.last_sent.update(self._shared_steps)
-        self._sent_at.update(dict.fromkeys(every, time.monotonic()))
+        self._sent_at.clear()  # every worker is sent this step: one stamp serves them all
+        self._shared_sent_at = time.monotonic()
         self.awaiting.update(every)
         self._unsent.update(self._into_region)
 
@@ -230,14 +234,17 @@ class Outbox:
     def replied(self, worker_id: int) -> float | None:
         """Worker ``worker_id`` replied: no longer awaited; the seconds since its latest command (``None``: none)."""
         self.awaiting.discard(worker_id)
-        sent_at = self._sent_at.get(worker_id)
+        sent_at = self._sent_at.get(worker_id, self._shared_sent_at)
         return None if sent_at is None else time.monotonic() - sent_at
 
-    def replied_all(self) -> list[float]:
-        """Every worker answered a lockstep step: no longer awaited; the seconds since each was sent it."""
-        now, ids = time.monotonic(), self._every_worker
-        self.awaiting.difference_update(ids)
-        return [now - self._sent_at[worker_id] for worker_id in ids]
+    def replied_all(self) -> float:
+        """Every worker answered a lockstep step: none is awaited any more; the seconds since it was recorded.
+
+        Every worker of a lockstep step was sent its command at the same moment (:meth:`record_shared`).
+        """
+        self.awaiting.difference_update(self._every_worker)
+        assert self._shared_sent_at is not None
+        return time.monotonic() - self._shared_sent_at
 
     def _header(self, worker_id: int, meta: Mapping[str, Any] | None, seq: int) -> dict[str, Any]:
         """A command's meta as sent: the call number, and the worker's slot if another process serves it."""

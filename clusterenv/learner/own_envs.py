@@ -66,6 +66,9 @@ class LearnerEnvs:
             env_fns, made, observation_mode, autoreset_mode, tracker, max_env_errors
         )
         self._array_obs = is_array_tree(self.envs.single_observation_space)
+        self.envs.samples_steps = False  # nothing reports their step times (no usage reports, no recycling)
+        self._fields: list[np.ndarray] | None = None  # their rows of the batch's step fields (write_into)
+        self._step_reply: Message | None = None  # the reply of every step without infos (array observations)
         self._pending_reply: Message | None = None
         self._call: Callable[[], Message] | None = None  # their part of the call in progress, not started yet
         #: Whether a reset or step of theirs is part of the call in progress (its reply to be collected).
@@ -80,11 +83,18 @@ class LearnerEnvs:
         """What a worker reports of its envs (spaces, metadata), for the batch's spaces."""
         return self.envs.description()
 
-    def observe_into(self, batch: Any) -> None:
-        """Write observations into their rows of the learner's batch (array observations; others travel as lists)."""
+    def write_into(self, batch: Any, step_fields: Sequence[np.ndarray]) -> None:
+        """Write their results into their rows of the learner's batch: observations, rewards, terminations, truncations.
+
+        Observations without a fixed array form travel as lists. A step's reply then names
+        the rows (as a worker's on the shared step path does), and the batch copies nothing.
+        """
         if self._array_obs:
             space = self.envs.single_observation_space
             self.envs.observe_into(unflatten(space, [leaf[self.slice] for leaf in leaf_arrays(space, batch)]))
+        self._fields = [field[self.slice] for field in step_fields]
+        if self._array_obs:
+            self._step_reply = Message(Kind.RESULT, {}, self._fields, [b""], [])
 
     def expect(self, call: Callable[[], Message]) -> None:
         """Their part of the call about to be sent: ``call`` (a reset or step), recorded before anything leaves.
@@ -126,12 +136,21 @@ class LearnerEnvs:
     def step(self, actions: Any) -> Message:
         """Step them with their ``actions`` (batched, as their vector env takes them): a reply as a worker's."""
         obs, rewards, terminations, truncations, _ = self.envs.step(actions)
-        return self._reply(obs, [rewards, terminations, truncations])  # SyncVectorEnv returns copies
+        fields = self._fields
+        if fields is None:
+            return self._reply(obs, [rewards, terminations, truncations])  # SyncVectorEnv returns copies
+        fields[0][...], fields[1][...], fields[2][...] = rewards, terminations, truncations
+        if self._step_reply is not None and not self.envs.info_log:
+            return self._step_reply
+        return self._reply(obs, fields)
 
     def _reply(self, obs: Any, step_fields: list[np.ndarray]) -> Message:
         """What a worker would have replied, read by the batch as a worker's reply is."""
-        log, self.envs.info_log = self.envs.info_log, []
-        infos = pack_infos(log, self.num_envs) if log else []
+        log = self.envs.info_log
+        infos: Any = []
+        if log:
+            self.envs.info_log = []
+            infos = pack_infos(log, self.num_envs)
         blobs = [b""] if self._array_obs else [b"", pickle.dumps(self.envs.env_observations())]
         return Message(Kind.RESULT, {}, step_fields, blobs, infos)
 
@@ -147,3 +166,4 @@ class LearnerEnvs:
         """Close the envs (and let go of the learner's batch, which may be the step region)."""
         self.envs.close()
         self.envs.observe_into(None)
+        self._fields = self._step_reply = None

@@ -389,7 +389,8 @@ class WorkerPool:
 
     def took_shared_step(self) -> None:
         """A lockstep step's replies were all read from the words: its latencies are noted, its batch step ends."""
-        for worker_id, latency in enumerate(self.outbox.replied_all()):
+        latency = self.outbox.replied_all()
+        for worker_id in range(self.num_workers):
             self._latencies[worker_id].append(latency)
         self.timing.finish()
 

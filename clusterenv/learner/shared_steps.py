@@ -109,6 +109,7 @@ class SharedSteps:
         self._layouts: dict[int, InfoLayout] = {}  # the info layout each worker named last
         # Each worker's rewards, terminations and truncations: views of the batch's own arrays.
         self._fields = [[rows.rewards, rows.terminations, rows.truncations] for rows in region.workers]
+        self._workers = range(len(region.workers))
 
     # -- joining the path ------------------------------------------------------------------
     def can_join(self, worker_id: int) -> bool:
@@ -231,14 +232,14 @@ class SharedSteps:
         Every command is recorded and written first, then one fence serves them all, then the
         workers that sleep are woken: a batch of 16 workers pays one barrier, not 16.
         """
-        workers = range(len(self.region.workers))
-        for worker_id in workers:
-            counter = self._counters[worker_id] + 1
-            self._in_flight[worker_id] = (counter, call)
+        counters, in_flight = self._counters, self._in_flight
+        for worker_id in self._workers:
+            counter = counters[worker_id] + 1
+            in_flight[worker_id] = (counter, call)
             self._write_command(worker_id, counter, call)
         fence()
         unreachable = []
-        for worker_id in workers:
+        for worker_id in self._workers:
             try:
                 self._wake_if_waiting(worker_id)
             except zmq.ZMQError:
@@ -271,7 +272,11 @@ class SharedSteps:
 
     def write_actions(self, actions: Sequence[np.ndarray]) -> None:
         """The batch's actions into the region, one copy per leaf (then :meth:`command_all`)."""
-        for batch, action in zip(self.region.actions, actions, strict=True):
+        region_actions = self.region.actions
+        if len(region_actions) == 1:  # the common case, without a loop
+            region_actions[0][...] = actions[0]
+            return
+        for batch, action in zip(region_actions, actions, strict=True):
             batch[...] = action
 
     def in_flight(self, worker_id: int) -> bool:

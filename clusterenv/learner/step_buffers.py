@@ -98,16 +98,19 @@ class BatchBuffers:
     def collect(self, replies: Iterable[tuple[slice, Message]], step: bool) -> dict[str, Any]:
         """Write each ``(slice, reply)`` (in env order) into the batch and return the infos, replayed in env order."""
         infos: dict[str, Any] = {}
+        n_extra = len(STEP_FIELDS) if step else 0
         for sl, msg in replies:
-            self.write_observations(sl, msg, len(STEP_FIELDS) if step else 0)
+            if not self.array_obs or len(msg.arrays) > n_extra:  # else written into the batch already
+                self.write_observations(sl, msg, n_extra)
             if step:
                 rewards, terminations, truncations = step_fields(msg)
                 if rewards.base is not self.rewards:  # else the worker wrote them into the batch itself
                     self.rewards[sl], self.terminations[sl], self.truncations[sl] = rewards, terminations, truncations
-            payload = self.infos_of(msg)
+            payload = msg.infos if msg.infos is not None else self.infos_of(msg)
             if payload:
                 infos = merge_infos(infos, payload, self.num_envs, sl.start)
-        self.finish()
+        if not self.array_obs:
+            self.finish()
         return infos
 
     def infos_of(self, msg: Message) -> InfoPayload:

@@ -17,14 +17,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["TIMING_WINDOW", "StepTiming"]
+__all__ = ["SAMPLE_EVERY", "TIMING_WINDOW", "StepTiming"]
 
-#: How many recent batch steps :meth:`StepTiming.summary` covers.
+#: How many recent timed batch steps :meth:`StepTiming.summary` covers.
 TIMING_WINDOW = 256
+#: One batch step in this many is timed.
+SAMPLE_EVERY = 8
 
 
 class StepTiming:
-    """The learner's busy and waiting seconds per batch step, over the last :data:`TIMING_WINDOW` steps.
+    """The learner's busy and waiting seconds per batch step, over the last :data:`TIMING_WINDOW` timed steps.
 
     Args:
         waited: the channel's running total of seconds spent blocked receiving.
@@ -32,24 +34,31 @@ class StepTiming:
 
     def __init__(self, waited: Callable[[], float]) -> None:
         self._waited = waited
-        self._started: float | None = None
+        self._open = False  # a batch step is in progress
+        self._started: float | None = None  # when the batch step in progress started, if it is timed
         self._waited_at_start = 0.0
+        #: Batch steps finished so far (timed or not).
         self.batch_steps = 0
         self._recent: collections.deque[tuple[float, float]] = collections.deque(maxlen=TIMING_WINDOW)
 
     def start(self) -> None:
         """A batch step's first command leaves (later ones of the same step change nothing)."""
-        if self._started is None:
+        if self._open:
+            return
+        self._open = True
+        if self.batch_steps % SAMPLE_EVERY == 0:
             self._started, self._waited_at_start = time.perf_counter(), self._waited()
 
     def finish(self) -> None:
         """The batch step's results are returned."""
-        if self._started is None:
+        if not self._open:
             return
-        wall, waiting = time.perf_counter() - self._started, self._waited() - self._waited_at_start
-        self._started = None
+        self._open = False
         self.batch_steps += 1
-        self._recent.append((wall - waiting, waiting))
+        started, self._started = self._started, None
+        if started is not None:
+            wall, waiting = time.perf_counter() - started, self._waited() - self._waited_at_start
+            self._recent.append((wall - waiting, waiting))
 
     def summary(self) -> dict[str, Any]:
         """``{"batch_steps", "busy_ms", "waiting_ms"}``: the count so far, and each time's median, p95 and mean."""

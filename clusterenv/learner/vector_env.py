@@ -270,7 +270,15 @@ class ClusterEnv(VectorEnv):
         self._pool.on_restart(weak_callback(self._reset_replacement_in_flight))
         if self._pool.step_path is not None and self._action_specs is not None:
             self._lockstep = Lockstep(
-                self._pool, self._buffers, self._own, self.single_action_space, self._action_specs, copy
+                self._pool,
+                self._buffers,
+                self._call,
+                self._first_ready,
+                self._own,
+                self._env_calls,
+                self.single_action_space,
+                self._action_specs,
+                copy,
             )
 
     def _place_units(self, slices: list[slice], units: list[slice], batch_size: int | None) -> None:
@@ -434,28 +442,13 @@ class ClusterEnv(VectorEnv):
             The batched ``(obs, rewards, terminations, truncations, infos)``.
         """
         lockstep = self._lockstep
-        if lockstep is None or self._recycler is not None or not lockstep.ready():
-            self.step_async(actions)
-            return self.step_wait()
-        self._begin(AsyncState.WAITING_STEP, "step_async")
-        self._check_reset_before_step()
-        leaves = lockstep.leaves(actions)
-        if leaves is None:  # actions of another dtype reach the envs as they are: messages
-            assert self._action_specs is not None  # a lockstep is made only for actions of a fixed array form
-            leaves = check_actions(actions, self.single_action_space, self._action_specs, self.num_envs)
-            commands = self._env_calls.step_commands(lockstep.workers, leaves)
-            self._env_calls.expect_own_step(leaves, None, self.single_action_space)
-            self._send_pending(AsyncState.WAITING_STEP, Kind.STEP, commands, OnLoss.INTERRUPT)
-            self._run_own()
-            return self.step_wait()
-        # Recorded, then pending, then sent: wherever an interrupt (Ctrl-C) lands, step_wait() finishes it.
-        self._env_calls.expect_own_step(leaves, None, self.single_action_space)
-        self._pool.outbox.record_shared(leaves)
-        self._call.state, self._call.pending = AsyncState.WAITING_STEP, lockstep.workers
-        if (answers := lockstep.step(self._run_own)) is not None:
-            # Every worker answered: an interrupt from here on loses only the results.
-            self._call.state = AsyncState.DEFAULT
-            return lockstep.results(answers)
+        if lockstep is not None and self._recycler is None and not self.closed and not self._needs_reset:
+            result = lockstep.step(actions, self._run_own)
+            if isinstance(result, tuple):
+                return result
+            if result is None:  # started, and left to the pool's receive loop
+                return self.step_wait()
+        self.step_async(actions)  # not a lockstep step (NOT_LOCKSTEP): the general path
         return self.step_wait()
 
     def step_async(self, actions: Any) -> None:

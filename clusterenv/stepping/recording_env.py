@@ -60,6 +60,8 @@ class RecordingVectorEnv(SyncVectorEnv):
     """
 
     info_log: list[InfoRecord]
+    #: Whether one batch step in ``SAMPLE_EVERY`` times each env's step (for usage reports).
+    samples_steps: bool = True
     envs: TrackedEnvs  # tells the worker's EnvTracker which env its loops reached (build() sets it)
     _untracked: list[Any]  # the same envs, handed to a batch step (build() sets it)
     _timed: TimedEnvs  # the same envs, handed to a timed batch step (build() sets it)
@@ -78,7 +80,7 @@ class RecordingVectorEnv(SyncVectorEnv):
         """
         tracked = self.envs
         clock = tracked.tracker.clock
-        timed = clock.start()  # the others pay no clock read, and no Python call per env indexed
+        timed = self.samples_steps and clock.start()  # the others pay no clock read, no Python call per env
         try:
             # For this loop only: SyncVectorEnv.step indexes any list (the other loops keep the tracked one).
             self.envs = self._timed if timed else self._untracked  # type: ignore[assignment]

@@ -198,7 +198,9 @@ class _SharedStepper:
         rows.rewards[:] = rewards
         rows.terminations[:] = terminations
         rows.truncations[:] = truncations
-        log, envs.info_log = envs.info_log, []
+        log = envs.info_log
+        if log:
+            envs.info_log = []
         usage = envs.step_clock.report()  # once a second at most
         if not log and usage is None:
             return None
