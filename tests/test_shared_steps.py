@@ -355,6 +355,35 @@ def test_an_older_counter_is_a_reply_still_to_come():
     assert path.reply(1) is NOT_YET and path.woken(1) is None
 
 
+class _StartingWorker:
+    """A worker's reply words that start its next step (STEPPING, then its counter) the moment one word is read."""
+
+    def __init__(self, words, counter: int, start_on: int) -> None:
+        self.words, self.counter, self.start_on = words, counter, start_on
+
+    def __getitem__(self, index: int) -> int:
+        value = self.words[index]
+        if index == self.start_on:  # as the worker writes them: its status, then its counter
+            self.words[1], self.words[0] = STEPPING, self.counter
+        return value
+
+
+@pytest.mark.parametrize("first_read", [0, 1], ids=["counter read first", "status read first"])
+def test_the_previous_steps_final_status_is_never_taken_for_the_step_in_flight(first_read):
+    """The worker may start the step between the learner's two reads of its words: its last status is not this step's."""
+    path, region, _ = _path()
+    path.send(0, [np.array([1, 0])], call=3)
+    _reply(region, 0, int(region.workers[0].command[0]), DONE)  # the first step answered
+    path.all_taken()
+    path.send(0, [np.array([0, 1])], call=4)
+    rows = region.workers[0]
+    with mock.patch.object(rows, "reply", _StartingWorker(rows.reply, int(rows.command[0]), start_on=first_read)):
+        assert path.final_status(0) is None
+    assert path.final_status(0) is None  # it is stepping
+    _reply(region, 0, int(rows.command[0]), DONE)
+    assert path.final_status(0) == DONE
+
+
 @pytest.mark.parametrize(
     "counter_offset, status, what",
     [(1, DONE, "counter ahead"), (0, 0, "cleared status"), (0, 99, "unknown status")],

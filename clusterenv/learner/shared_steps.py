@@ -381,12 +381,12 @@ class SharedSteps:
         as strays): the pool's receive loop reads those as it reads every reply.
         """
         words = self.region.workers[worker_id].reply
-        status = words[STATUS]
-        if words[COUNTER] != self._in_flight[worker_id][0] or not (
-            status == DONE or (status == INFOS and worker_id in self._layouts)
-        ):
+        # The counter first: a worker starting this step writes STEPPING before it, so a status read after the
+        # counter matched is this step's (read before, it may be the previous step's final one).
+        if words[COUNTER] != self._in_flight[worker_id][0]:
             return None
-        return status
+        status = words[STATUS]
+        return status if status == DONE or (status == INFOS and worker_id in self._layouts) else None
 
     def infos_in_rows(self, worker_id: int) -> PackedInfos:
         """The infos worker ``worker_id`` wrote into its info rows (its status is ``INFOS``)."""
