@@ -370,7 +370,7 @@ class _StartingWorker:
 
 @pytest.mark.parametrize("first_read", [0, 1], ids=["counter read first", "status read first"])
 def test_the_previous_steps_final_status_is_never_taken_for_the_step_in_flight(first_read):
-    """The worker may start the step between the learner's two reads of its words: its last status is not this step's."""
+    """The worker may start the step between the learner's two reads of its words: its last status is not this one's."""
     path, region, _ = _path()
     path.send(0, [np.array([1, 0])], call=3)
     _reply(region, 0, int(region.workers[0].command[0]), DONE)  # the first step answered
