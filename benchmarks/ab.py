@@ -5,7 +5,9 @@ steps one cell in lockstep for ``--seconds``; the two checkouts take turns, cell
 ``--rounds`` rounds, and the medians are compared. Cells: ``cartpole16`` (16 CartPoles on 2
 workers, where the learner's per-step cost shows most), ``null64`` (64 ``NullEnv`` on 16
 workers: transport and bookkeeping only) and, when asked for, ``halfcheetah16`` (16
-HalfCheetah-v5 on 2 workers: MuJoCo steps and infos in the region).
+HalfCheetah-v5 on 2 workers: MuJoCo steps and infos in the region), ``split_cartpole16`` and
+``split_null16`` (16 CartPoles or null envs, the learner stepping 8 beside one worker, both
+spinning where they fit: ``num_workers=1, learner_envs=8``).
 
     git worktree add /tmp/base <commit>
     python benchmarks/ab.py --base /tmp/base --label "worker_info usage, learner_info, env step times"
@@ -36,12 +38,15 @@ sys.path.insert(0, {benchmarks!r})
 import gymnasium as gym, numpy as np
 from bench_envs import NullEnv
 from clusterenv import ClusterEnv
-fns, workers = {{
-    "cartpole16": ([lambda: gym.make("CartPole-v1")] * 16, 2),
-    "halfcheetah16": ([lambda: gym.make("HalfCheetah-v5")] * 16, 2),
-    "null64": ([NullEnv] * 64, 16),
+SPLIT = {{"num_workers": 1, "learner_envs": 8}}
+fns, kwargs = {{
+    "cartpole16": ([lambda: gym.make("CartPole-v1")] * 16, {{"num_workers": 2}}),
+    "halfcheetah16": ([lambda: gym.make("HalfCheetah-v5")] * 16, {{"num_workers": 2}}),
+    "null64": ([NullEnv] * 64, {{"num_workers": 16}}),
+    "split_cartpole16": ([lambda: gym.make("CartPole-v1")] * 16, SPLIT),
+    "split_null16": ([NullEnv] * 16, SPLIT),
 }}[{cell!r}]
-with ClusterEnv(fns, num_workers=workers) as envs:
+with ClusterEnv(fns, **kwargs) as envs:
     actions = np.zeros(envs.action_space.shape, envs.action_space.dtype)
     envs.reset(seed=0)
     for _ in range(100):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -19,7 +20,7 @@ def command_line(script: str, drop: Iterable[str] = ()) -> str:
         drop: arguments left out because they do not change the results (``--plot-only``).
     """
     dropped = set(drop)
-    return " ".join(
+    return shlex.join(
         [
             "python",
             f"benchmarks/{Path(script).resolve().relative_to(BENCHMARKS).as_posix()}",
