@@ -16,6 +16,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from contextlib import closing
+from typing import Any
 from unittest import mock
 
 import gymnasium as gym
@@ -37,19 +38,26 @@ PATHS = {"shared memory": {}, "messages": {"shared_memory": False}}
 
 
 @contextlib.contextmanager
-def interrupt_at(owner: type, method: str, call: int, after: bool) -> Iterator[None]:
-    """Raise ``KeyboardInterrupt`` at the ``call``-th call of ``owner.method``: before it runs, or just after."""
+def interrupt_at(owner: type, method: str, call: int, after: bool, counts: Any = None) -> Iterator[None]:
+    """Raise ``KeyboardInterrupt`` at the ``call``-th call of ``owner.method``: before it runs, or just after.
+
+    ``counts``: with ``after``, only calls whose result it accepts count.
+    """
     original = getattr(owner, method)
     calls = 0
 
     def interrupted(*args, **kwargs):
         nonlocal calls
-        calls += 1
-        if calls == call and not after:
-            raise KeyboardInterrupt
+        if not after:
+            calls += 1
+            if calls == call:
+                raise KeyboardInterrupt
+            return original(*args, **kwargs)
         result = original(*args, **kwargs)
-        if calls == call:
-            raise KeyboardInterrupt
+        if counts is None or counts(result):
+            calls += 1
+            if calls == call:
+                raise KeyboardInterrupt
         return result
 
     with mock.patch.object(owner, method, interrupted):
@@ -63,10 +71,16 @@ SHARED_POINTS = {
     "after every command": (SharedSteps, "_write_command", 2, True),
     "before any wake-up": (SharedSteps, "_wake_if_waiting", 1, False),
 }
+
+
 # A lockstep step() reads every reply from the words before it takes any; step_wait() takes each as it comes.
+def _answered(status: int | None) -> bool:
+    return status is not None  # a worker's final status read: its reply is in its rows
+
+
 LOCKSTEP_POINTS = {
-    "one reply read": (SharedSteps, "final_status", 1, True),
-    "every reply read": (SharedSteps, "final_status", 2, True),
+    "one reply read": (SharedSteps, "final_status", 1, True, _answered),
+    "every reply read": (SharedSteps, "final_status", 2, True, _answered),
 }
 TAKEN_POINTS = {
     "one reply taken": (WorkerPool, "_note_reply", 1, True),
@@ -85,7 +99,7 @@ POINTS = {
     ("messages", "step_async"): MESSAGE_POINTS,
 }
 CASES = [
-    pytest.param(path, how, *point, id=f"{how}-{path}: {where}")
+    pytest.param(path, how, *point, *[None] * (5 - len(point)), id=f"{how}-{path}: {where}")  # counts: every call
     for (path, how), points in POINTS.items()
     for where, point in points.items()
 ]
@@ -95,8 +109,8 @@ def step_both(reference: SyncVectorEnv, envs: ClusterEnv, actions: np.ndarray) -
     assert_same(reference.step(actions), envs.step(actions))
 
 
-@pytest.mark.parametrize("path, how, owner, method, call, after", CASES)
-def test_a_step_interrupted_anywhere_is_finished_exactly_by_step_wait(path, how, owner, method, call, after):
+@pytest.mark.parametrize("path, how, owner, method, call, after, counts", CASES)
+def test_a_step_interrupted_anywhere_is_finished_exactly_by_step_wait(path, how, owner, method, call, after, counts):
     with (
         ClusterEnv(CARTPOLES, num_workers=2, **PATHS[path]) as envs,
         closing(SyncVectorEnv(CARTPOLES)) as reference,
@@ -105,7 +119,7 @@ def test_a_step_interrupted_anywhere_is_finished_exactly_by_step_wait(path, how,
         for t in range(3):
             step_both(reference, envs, np.array([t % 2, 1, 0, 1]))
         actions = np.array([1, 0, 0, 1])
-        with interrupt_at(owner, method, call, after), pytest.raises(KeyboardInterrupt):
+        with interrupt_at(owner, method, call, after, counts), pytest.raises(KeyboardInterrupt):
             if how == "step":
                 envs.step(actions)
             else:

@@ -31,6 +31,7 @@ from clusterenv.launch.launchers import LocalLauncher
 from clusterenv.learner.membership import Membership
 from clusterenv.learner.recycling import Recycle
 from clusterenv.learner.shared_steps import NOT_YET, SharedSteps
+from clusterenv.wire import step_region
 from clusterenv.wire.carriers import PipeCarrier
 from clusterenv.wire.infos import merge_infos, pack_infos
 from clusterenv.wire.liveness import Heartbeat
@@ -94,6 +95,17 @@ def test_other_workers_keep_the_message_path_and_stay_exact(options):
     ):
         assert step_paths(envs) == ["messages", "messages"]
         run_lockstep(reference, envs, steps=60, seed=3)
+
+
+def test_a_cpu_that_may_reorder_memory_keeps_every_worker_on_the_message_path(monkeypatch):
+    """The words rely on x86's memory order: elsewhere (ARM) nobody steps through the region, and results stay exact."""
+    monkeypatch.setattr(step_region, "ORDERED_MEMORY", False)
+    with (
+        ClusterEnv(CARTPOLES, num_workers=2) as envs,
+        closing(SyncVectorEnv(CARTPOLES)) as reference,
+    ):
+        assert step_paths(envs) == ["messages", "messages"]
+        run_lockstep(reference, envs, steps=30, seed=4)
 
 
 def test_spaces_without_an_array_form_keep_the_message_path():

@@ -10,6 +10,7 @@ over all the envs would have returned.
 from __future__ import annotations
 
 import logging
+import platform
 import socket
 from collections.abc import Callable, Iterable, Mapping
 from copy import deepcopy
@@ -20,7 +21,7 @@ from gymnasium import spaces
 from gymnasium.vector.utils import concatenate, create_empty_array, iterate
 
 from clusterenv.learner.pool import OnLoss, WorkerPool
-from clusterenv.wire import shared_memory
+from clusterenv.wire import shared_memory, step_region
 from clusterenv.wire.infos import InfoPayload, InfoRecord, merge_infos, replay_infos
 from clusterenv.wire.leaves import is_array_tree, leaf_arrays, unflatten
 from clusterenv.wire.messages import ResetMeta, ValueMeta, meta_of
@@ -259,9 +260,17 @@ def share_steps(
     (:mod:`clusterenv.wire.step_region`); the region's observations are the batch, and the
     others keep the message path and send their observations as frames, written into it.
     Where no file for the region can be made (no memfd, and no room for a file in a scratch directory),
-    every worker keeps the message path, and a warning says so.
+    every worker keeps the message path, and a warning says so; so does every worker on a CPU other
+    than x86 (:data:`~clusterenv.wire.step_region.ORDERED_MEMORY`).
     """
     if not fits(observation_space, action_space) or not any(pool.can_wake(w) for w in range(len(slices))):
+        return None
+    if not step_region.ORDERED_MEMORY:
+        logger.info(
+            "Every worker keeps the message path: the shared step region relies on x86's memory order, and this "
+            "CPU is %s.",
+            platform.machine(),
+        )
         return None
     try:
         region = StepRegion(observation_space, action_space, slices)

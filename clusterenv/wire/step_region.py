@@ -60,6 +60,7 @@ import functools
 import math
 import mmap
 import os
+import platform
 import secrets
 import threading
 import weakref
@@ -81,6 +82,7 @@ __all__ = [
     "INFOS",
     "INFO_BYTES",
     "NESTED",
+    "ORDERED_MEMORY",
     "MESSAGE",
     "STEPPING",
     "COUNTER",
@@ -102,6 +104,14 @@ __all__ = [
     "attach_rows",
     "region_layout",
 ]
+
+#: Whether this CPU keeps each core's stores, and its loads, in program order (x86's total store
+#: order), which the words rely on: a worker writes its rows, then its status; STEPPING, then its
+#: counter; the learner reads the counter, then the status, then the rows, with no barrier between
+#: (the one barrier, :func:`fence`, orders a store before a later load). Where the CPU may reorder
+#: them (ARM: Apple silicon, Graviton), the learner could take an earlier step's results for this
+#: one, so every worker keeps the message path there.
+ORDERED_MEMORY = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
 
 #: Reply status: the results are in the worker's rows.
 DONE = 1
