@@ -5,16 +5,19 @@ timed batch step, the worker hands it a :class:`~clusterenv.stepping.failures.Ti
 from reaching one env to reaching the next is that env's step, plus Gymnasium's few µs of
 bookkeeping for it; the last env's ends when the batch step returns. An autoreset inside a
 step (``SAME_STEP``) is timed as a step of its own. One batch step in :data:`SAMPLE_EVERY` is
-timed (its first included), one ``perf_counter`` per env step then: a sample is enough for
-the percentiles, and cheap envs do not pay a clock read per step. Workers send the median and
-95th percentile to the learner at most once a second, with a reply they send anyway, together
-with the process's CPU seconds and resident memory (its env processes included, from ``/proc``).
+timed, picked at random (its first included), one ``perf_counter`` per env step then: a sample
+is enough for the percentiles, and cheap envs do not pay a clock read per step; at random,
+since a training loop's own period would otherwise have the same steps of each rollout timed.
+Workers send the median and 95th percentile to the learner at most once a second, with a reply
+they send anyway, together with the process's CPU seconds and resident memory (its env
+processes included, from ``/proc``).
 """
 
 from __future__ import annotations
 
 import collections
 import os
+import random
 import time
 
 import numpy as np
@@ -26,7 +29,7 @@ __all__ = ["REPORT_INTERVAL_S", "SAMPLE_EVERY", "StepClock"]
 
 #: How often a worker reports its env step times (with its next reply).
 REPORT_INTERVAL_S = 1.0
-#: One batch step in this many is timed.
+#: One batch step in this many is timed, on average.
 SAMPLE_EVERY = 8
 _SAMPLES = 1024
 
@@ -38,6 +41,7 @@ class StepClock:
         self.samples: collections.deque[float] = collections.deque(maxlen=_SAMPLES)
         self.running = False
         self._batches = 0  # batch steps begun
+        self._picks = random.Random(0)  # which batch steps are timed (seeded: the same ones, run after run)
         self._last: float | None = None
         self._report_due = 0.0
 
@@ -50,7 +54,7 @@ class StepClock:
 
     def start(self) -> bool:
         """A batch step begins: whether it is timed (one of the sampled)."""
-        self.running, self._last = self._batches % SAMPLE_EVERY == 0, None
+        self.running, self._last = self._batches == 0 or self._picks.random() * SAMPLE_EVERY < 1.0, None
         self._batches += 1
         return self.running
 
