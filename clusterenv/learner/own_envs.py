@@ -67,7 +67,7 @@ class LearnerEnvs:
         )
         self._array_obs = is_array_tree(self.envs.single_observation_space)
         self.envs.samples_steps = False  # nothing reports their step times (no usage reports, no recycling)
-        self._fields: list[np.ndarray] | None = None  # their rows of the batch's step fields (write_into)
+        self._fields: list[np.ndarray] = []  # their rows of the batch's step fields (write_into)
         self._step_reply: Message | None = None  # the reply of every step without infos (array observations)
         self._pending_reply: Message | None = None
         self._call: Callable[[], Message] | None = None  # their part of the call in progress, not started yet
@@ -89,11 +89,10 @@ class LearnerEnvs:
         Observations without a fixed array form travel as lists. A step's reply then names
         the rows (as a worker's on the shared step path does), and the batch copies nothing.
         """
+        self._fields = [field[self.slice] for field in step_fields]
         if self._array_obs:
             space = self.envs.single_observation_space
             self.envs.observe_into(unflatten(space, [leaf[self.slice] for leaf in leaf_arrays(space, batch)]))
-        self._fields = [field[self.slice] for field in step_fields]
-        if self._array_obs:
             self._step_reply = Message(Kind.RESULT, {}, self._fields, [b""], [])
 
     def expect(self, call: Callable[[], Message]) -> None:
@@ -134,11 +133,9 @@ class LearnerEnvs:
         return self._reply(obs, [])
 
     def step(self, actions: Any) -> Message:
-        """Step them with their ``actions`` (batched, as their vector env takes them): a reply as a worker's."""
+        """Step them with their ``actions`` (batched, as their vector env takes them): results in the batch, a reply."""
         obs, rewards, terminations, truncations, _ = self.envs.step(actions)
         fields = self._fields
-        if fields is None:
-            return self._reply(obs, [rewards, terminations, truncations])  # SyncVectorEnv returns copies
         fields[0][...], fields[1][...], fields[2][...] = rewards, terminations, truncations
         if self._step_reply is not None and not self.envs.info_log:
             return self._step_reply
@@ -166,4 +163,4 @@ class LearnerEnvs:
         """Close the envs (and let go of the learner's batch, which may be the step region)."""
         self.envs.close()
         self.envs.observe_into(None)
-        self._fields = self._step_reply = None
+        self._fields, self._step_reply = [], None
