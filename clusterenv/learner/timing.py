@@ -5,29 +5,27 @@ A batch step runs from the first STEP command sent (``step``, or the first ``sen
 learner spent blocked receiving replies; the rest (encoding and sending commands, decoding
 replies, assembling the batch and its infos) is the learner's own work. A run whose steps are
 mostly waiting is env-bound (more workers, or cheaper envs, help); one whose steps are mostly
-busy is learner-bound. The user's code between steps counts in neither. One batch step in
-:data:`SAMPLE_EVERY` is timed, picked at random, and every one is counted: a step of cheap envs
-costs tens of µs, and two clock reads and a record per step would be a visible part of it; at
-random, since a loop's own period (a rollout of 128 steps, then an update) would otherwise have
-the same steps timed every time.
+busy is learner-bound. The user's code between steps counts in neither. Batch steps are timed
+as a worker times its env steps (:class:`~clusterenv.stepping.step_clock.BatchSampler`: the
+first, then one in 8 at random), and every one is counted: a step of cheap envs costs tens of
+µs, and two clock reads and a record per step would be a visible part of it.
 """
 
 from __future__ import annotations
 
 import collections
-import random
 import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-__all__ = ["SAMPLE_EVERY", "TIMING_WINDOW", "StepTiming"]
+from clusterenv.stepping.step_clock import BatchSampler
+
+__all__ = ["TIMING_WINDOW", "StepTiming"]
 
 #: How many recent timed batch steps :meth:`StepTiming.summary` covers.
 TIMING_WINDOW = 256
-#: One batch step in this many is timed, on average.
-SAMPLE_EVERY = 8
 
 
 class StepTiming:
@@ -40,7 +38,7 @@ class StepTiming:
     def __init__(self, waited: Callable[[], float]) -> None:
         self._waited = waited
         self._open = False  # a batch step is in progress
-        self._picks = random.Random(0)  # which batch steps are timed (seeded: the same ones, run after run)
+        self._sampler = BatchSampler()  # which batch steps are timed
         self._started: float | None = None  # when the batch step in progress started, if it is timed
         self._waited_at_start = 0.0
         #: Batch steps finished so far (timed or not).
@@ -52,7 +50,7 @@ class StepTiming:
         if self._open:
             return
         self._open = True
-        if self._picks.random() * SAMPLE_EVERY < 1.0 or not self._recent:  # the first, for a figure at once
+        if self._sampler.pick():
             self._started, self._waited_at_start = time.perf_counter(), self._waited()
 
     def finish(self) -> None:

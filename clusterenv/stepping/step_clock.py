@@ -5,9 +5,9 @@ timed batch step, the worker hands it a :class:`~clusterenv.stepping.failures.Ti
 from reaching one env to reaching the next is that env's step, plus Gymnasium's few µs of
 bookkeeping for it; the last env's ends when the batch step returns. An autoreset inside a
 step (``SAME_STEP``) is timed as a step of its own. One batch step in :data:`SAMPLE_EVERY` is
-timed, picked at random (its first included), one ``perf_counter`` per env step then: a sample
-is enough for the percentiles, and cheap envs do not pay a clock read per step; at random,
-since a training loop's own period would otherwise have the same steps of each rollout timed.
+timed, picked at random (its first included, :class:`BatchSampler`), one ``perf_counter`` per
+env step then: a sample is enough for the percentiles, and cheap envs do not pay a clock read
+per step.
 Workers send the median and 95th percentile to the learner at most once a second, with a reply
 they send anyway, together with the process's CPU seconds and resident memory (its env
 processes included, from ``/proc``).
@@ -25,7 +25,7 @@ import numpy as np
 from clusterenv.wire.messages import UsageReport
 from clusterenv.wire.processes import resource_usage
 
-__all__ = ["REPORT_INTERVAL_S", "SAMPLE_EVERY", "StepClock"]
+__all__ = ["REPORT_INTERVAL_S", "SAMPLE_EVERY", "BatchSampler", "StepClock"]
 
 #: How often a worker reports its env step times (with its next reply).
 REPORT_INTERVAL_S = 1.0
@@ -34,14 +34,32 @@ SAMPLE_EVERY = 8
 _SAMPLES = 1024
 
 
+class BatchSampler:
+    """Which batch steps are timed: the first (a figure at once), then one in :data:`SAMPLE_EVERY`, at random.
+
+    At random, since a training loop's own period (a rollout of 128 steps, then an update)
+    would otherwise have the same steps timed every time; seeded, so the same ones run after run.
+    """
+
+    def __init__(self) -> None:
+        self._picks = random.Random(0)
+        self._first = True
+
+    def pick(self) -> bool:
+        """Whether the batch step beginning now is timed."""
+        if self._first:
+            self._first = False
+            return True
+        return self._picks.random() * SAMPLE_EVERY < 1.0
+
+
 class StepClock:
     """The durations of recent env steps, in seconds (at most the last 1,024)."""
 
     def __init__(self) -> None:
         self.samples: collections.deque[float] = collections.deque(maxlen=_SAMPLES)
         self.running = False
-        self._batches = 0  # batch steps begun
-        self._picks = random.Random(0)  # which batch steps are timed (seeded: the same ones, run after run)
+        self._sampler = BatchSampler()
         self._last: float | None = None
         self._report_due = 0.0
 
@@ -54,8 +72,7 @@ class StepClock:
 
     def start(self) -> bool:
         """A batch step begins: whether it is timed (one of the sampled)."""
-        self.running, self._last = self._batches == 0 or self._picks.random() * SAMPLE_EVERY < 1.0, None
-        self._batches += 1
+        self.running, self._last = self._sampler.pick(), None
         return self.running
 
     def stop(self) -> None:
