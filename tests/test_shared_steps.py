@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 from clusterenv import ClusterEnv, ProtocolError
 from clusterenv.launch.launchers import LocalLauncher
+from clusterenv.learner import lockstep
 from clusterenv.learner.membership import Membership
 from clusterenv.learner.recycling import Recycle
 from clusterenv.learner.shared_steps import NOT_YET, SharedSteps
@@ -48,6 +49,7 @@ from clusterenv.wire.step_region import (
     check_layout,
     info_layout,
     read_infos,
+    scalar_infos,
     write_infos,
 )
 from clusterenv.wire.transport import WAKE_UP
@@ -586,6 +588,85 @@ def test_infos_that_fit_no_layout_travel_as_messages(records):
 def test_a_layout_a_worker_names_is_checked(layout):
     with pytest.raises(ValueError, match="Not an info layout"):
         check_layout(layout)
+
+
+SCALAR_RECORDS = [
+    (i, {"x": float(i) / 3, "n": i, "f": np.float32(i), "ok": i % 2 == 0, "l": np.int64(-i)}) for i in range(3)
+]
+
+
+def test_scalar_infos_go_into_the_rows_and_come_out_as_the_packed_path_gives_them():
+    layout = info_layout(pack_infos(SCALAR_RECORDS, 3, min_envs=1))
+    scalars = scalar_infos(layout)  # type: ignore[arg-type]
+    assert scalars is not None
+    packed, direct = np.zeros((3, INFO_BYTES), np.uint8), np.zeros((3, INFO_BYTES), np.uint8)
+    write_infos(packed, pack_infos(SCALAR_RECORDS, 3, min_envs=1))  # type: ignore[arg-type]
+    assert scalars.write(scalars.rows(direct), SCALAR_RECORDS)
+    np.testing.assert_array_equal(direct, packed)
+    assert_same(scalars.batch(scalars.rows(direct)), merge_infos({}, list(SCALAR_RECORDS), 3, 0))
+
+
+def _changed(row: int, **changes) -> list:
+    return [(i, {**info, **changes} if i == row else info) for i, info in SCALAR_RECORDS]
+
+
+@pytest.mark.parametrize(
+    "records",
+    [
+        SCALAR_RECORDS[:2],  # an env reported nothing
+        [SCALAR_RECORDS[1], SCALAR_RECORDS[0], SCALAR_RECORDS[2]],  # not in env order
+        [(i, dict(reversed(list(info.items())))) for i, info in SCALAR_RECORDS],  # the keys in another order
+        _changed(1, x=np.float64(0.5)),  # a numpy float where the layout has a Python float
+        _changed(2, n=True),  # a bool where the layout has an int
+        _changed(0, extra=1.0),  # a key the layout does not have
+        _changed(2, n=2**70),  # an int that int64 cannot hold
+    ],
+    ids=["an env missing", "env order", "key order", "numpy for Python", "bool for int", "extra key", "too large"],
+)
+def test_infos_that_are_not_the_layouts_scalars_are_left_to_the_packed_path(records):
+    scalars = scalar_infos(info_layout(pack_infos(SCALAR_RECORDS, 3, min_envs=1)))  # type: ignore[arg-type]
+    assert scalars is not None
+    rows = scalars.rows(np.zeros((3, INFO_BYTES), np.uint8))
+    assert not scalars.write(rows, records)
+
+
+def test_layouts_with_arrays_or_nested_dicts_have_no_scalar_fields():
+    assert scalar_infos(info_layout(pack_infos(NESTED_RECORDS, 3, min_envs=1))) is None  # type: ignore[arg-type]
+    zero_d = [(i, {"x": np.array(float(i))}) for i in range(2)]  # a 0-d array is an array, not a scalar
+    assert scalar_infos(info_layout(pack_infos(zero_d, 2, min_envs=1))) is None  # type: ignore[arg-type]
+
+
+def test_scalar_infos_every_worker_writes_are_the_batch_without_merging_slices():
+    env_fns = [ScalarInfoCartPole] * 6
+    with (
+        mock.patch.object(lockstep, "merge_infos", wraps=merge_infos) as merges,
+        ClusterEnv(env_fns, num_workers=2) as envs,
+        closing(SyncVectorEnv(env_fns)) as reference,
+    ):
+        assert run_lockstep(reference, envs, steps=200, seed=3) >= 10
+    assert merges.call_count == 0
+
+
+class _PositionInfo(gym.Wrapper):
+    """CartPole reporting its position in an info, as the type it is given."""
+
+    def __init__(self, as_type: type) -> None:
+        super().__init__(gym.make("CartPole-v1"))
+        self.as_type = as_type
+
+    def step(self, action):
+        obs, reward, terminated, truncated, _ = self.env.step(action)
+        return obs, reward, terminated, truncated, {"x": self.as_type(obs[0])}
+
+
+@pytest.mark.parametrize("mode", MODES, ids=[m.value for m in MODES])
+def test_workers_whose_scalars_differ_in_type_are_merged_as_sync_vector_env_batches_them(mode):
+    env_fns = [functools.partial(_PositionInfo, t) for t in (float, float, np.float32, np.float32)]
+    with (
+        ClusterEnv(env_fns, num_workers=2, autoreset_mode=mode) as envs,
+        closing(SyncVectorEnv(env_fns, autoreset_mode=mode)) as reference,
+    ):
+        assert run_lockstep(reference, envs, steps=150, seed=5) >= 5
 
 
 def test_admitting_workers_keeps_the_shared_step_replies_it_reads_for_the_pool():

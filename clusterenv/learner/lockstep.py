@@ -160,8 +160,14 @@ class Lockstep:
         path.all_taken()
         infos: dict[str, Any] = {} if own is None else buffers.collect([(own.slice, own.take_reply())], step=True)
         if INFOS in answers:
-            for worker_id, answer in enumerate(answers):
-                if answer == INFOS:
-                    infos = merge_infos(infos, path.infos_in_rows(worker_id), self._num_envs, self._offsets[worker_id])
+            batch = path.batch_infos() if own is None and answers.count(INFOS) == len(answers) else None
+            if batch is not None:  # every env reported the same scalars: the batch's arrays, from the rows at once
+                infos = batch
+            else:
+                for worker_id, answer in enumerate(answers):
+                    if answer == INFOS:
+                        infos = merge_infos(
+                            infos, path.infos_in_rows(worker_id), self._num_envs, self._offsets[worker_id]
+                        )
         self._pool.took_shared_step()
         return buffers.step_batch(self._copy, infos)

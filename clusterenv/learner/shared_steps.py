@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import zmq
@@ -39,10 +40,12 @@ from clusterenv.wire.step_region import (
     STEPPING,
     WORKER_WAITS,
     InfoLayout,
+    ScalarInfos,
     StepRegion,
     check_layout,
     fence,
     read_infos,
+    scalar_infos,
 )
 from clusterenv.wire.step_region import (
     MESSAGES as MESSAGES_SENT,
@@ -107,6 +110,8 @@ class SharedSteps:
         self._replies: dict[int, Message] = {}  # worker → the RESULT built for its step in flight, until taken
         self._wakers: dict[int, Callable[[], None]] = {}  # worker → what wakes its process
         self._layouts: dict[int, InfoLayout] = {}  # the info layout each worker named last
+        self._scalar_infos: dict[int, ScalarInfos | None] = {}  # that layout as typed fields, if all scalars
+        self._batch_infos: tuple[ScalarInfos, np.ndarray] | None = None  # the batch's info rows seen through one
         # Each worker's rewards, terminations and truncations: views of the batch's own arrays.
         self._fields = [[rows.rewards, rows.terminations, rows.truncations] for rows in region.workers]
         self._workers = range(len(region.workers))
@@ -132,6 +137,7 @@ class SharedSteps:
             rows.restore_observations()
         self.on_path.discard(worker_id)
         self._layouts.pop(worker_id, None)
+        self._scalar_infos.pop(worker_id, None)
         if not self.can_join(worker_id):
             return None
         rows.clear()
@@ -392,6 +398,19 @@ class SharedSteps:
         """The infos worker ``worker_id`` wrote into its info rows (its status is ``INFOS``)."""
         return read_infos(self.region.workers[worker_id].infos, self._layouts[worker_id])
 
+    def batch_infos(self) -> dict[str, Any] | None:
+        """The batch's infos straight from the info rows, when every worker's layout is the same scalars; else ``None``.
+
+        For a step every worker answered with ``INFOS``: each env then reported every key.
+        """
+        scalars = self._scalar_infos.get(0)
+        if scalars is None or any(self._scalar_infos.get(w) != scalars for w in self._workers):
+            return None
+        seen = self._batch_infos
+        if seen is None or seen[0] != scalars:
+            seen = self._batch_infos = (scalars, scalars.rows(self.region.infos))
+        return scalars.batch(seen[1])
+
     def all_taken(self) -> None:
         """Every worker's step in flight was read from its words (:meth:`final_status`): every step is over."""
         self._in_flight.clear()
@@ -431,7 +450,8 @@ class SharedSteps:
             raise self._stray(worker_id, f"a message for step {msg.meta['step']}", sent)
         if "info_layout" in msg.meta:
             try:
-                self._layouts[worker_id] = check_layout(msg.meta["info_layout"])
+                self._layouts[worker_id] = layout = check_layout(msg.meta["info_layout"])
+                self._scalar_infos[worker_id] = scalar_infos(layout)
             except ValueError as exc:
                 raise ProtocolError(f"Worker {worker_id} named an invalid info layout: {exc}") from None
         meta = {key: value for key, value in msg.meta.items() if key not in ("step", "info_layout")}

@@ -21,6 +21,8 @@ from __future__ import annotations
 import os
 import time
 
+import numpy as np
+
 from clusterenv.stepping.failures import EnvFailure, error_reply
 from clusterenv.stepping.recording_env import RecordingVectorEnv, dumps
 from clusterenv.wire.infos import pack_infos
@@ -39,10 +41,12 @@ from clusterenv.wire.step_region import (
     STEPPING,
     WORKER_WAITS,
     InfoLayout,
+    ScalarInfos,
     WorkerRows,
     attach_rows,
     fence,
     info_layout,
+    scalar_infos,
     write_infos,
 )
 from clusterenv.wire.transport import WAKE_UP
@@ -63,6 +67,8 @@ class _SharedStepper:
         self.worker = worker
         self.rows: WorkerRows | None = None
         self.layout: InfoLayout | None = None  # the info layout the learner was last told
+        # That layout as typed fields of the info rows, if it is all scalars, and the rows seen through them.
+        self.scalar_infos: tuple[ScalarInfos, np.ndarray] | None = None
         self.answered = 0  # the counter of the last command answered
         self.messages = 0  # the learner's message count when this worker last turned to its pipe
         self.spin = SpinBudget(0.0)
@@ -100,7 +106,7 @@ class _SharedStepper:
 
     def leave(self) -> None:
         """Off the path (a new SHARE_STEP, or none): counters from zero, the mailbox blocks as it did."""
-        self.rows, self.layout = None, None
+        self.rows, self.layout, self.scalar_infos = None, None, None
         self.answered = self.messages = 0
         if self.worker.mailbox.waiter is self:
             self.worker.mailbox.waiter = None
@@ -204,6 +210,9 @@ class _SharedStepper:
         usage = envs.step_clock.report()  # once a second at most
         if not log and usage is None:
             return None
+        scalars = self.scalar_infos
+        if usage is None and scalars is not None and type(log) is list and scalars[0].write(scalars[1], log):
+            return _IN_ROWS  # the layout's scalars, env by env, written straight into the rows
         payload = pack_infos(log, envs.num_envs, min_envs=1) if log else None
         layout = None if payload is None else info_layout(payload)
         if usage is None and layout is not None and layout == self.layout:
@@ -215,6 +224,8 @@ class _SharedStepper:
         if layout is not None and layout != self.layout:  # from the next step on, such infos go in the region
             meta["info_layout"] = layout  # msgpack writes its tuples as lists; the learner checks them
             self.layout = layout
+            fields = scalar_infos(layout)
+            self.scalar_infos = None if fields is None else (fields, fields.rows(rows.infos))
         return Message(Kind.RESULT, meta, [], [dumps(payload) if payload is not None else b""])
 
 
