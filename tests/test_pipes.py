@@ -219,3 +219,44 @@ def test_wake_ups_and_a_record_larger_than_one_read_arrive_in_order():
     finally:
         writer.close()
         reader.close()
+
+
+@pytest.fixture
+def worker_end():
+    """A learner's non-blocking end writing to a worker's blocking end."""
+    ours, theirs = pipe_pair()
+    writer, reader = Pipe(ours, MB, blocking=False), Pipe(theirs, MB, blocking=True)
+    yield writer, reader
+    writer.close()
+    reader.close()
+
+
+def test_a_worker_between_steps_takes_wake_ups_alone_and_leaves_nothing_behind(worker_end):
+    writer, reader = worker_end
+    writer.write_wake()
+    writer.write_wake()
+    time.sleep(0.05)
+    assert reader.await_wakes(1000) is True
+    assert reader.read(0) is None
+
+
+@pytest.mark.parametrize("wake_first", [True, False], ids=["a wake-up, then a record", "a record alone"])
+def test_a_record_that_comes_while_a_worker_waits_for_wake_ups_is_read_whole_and_in_order(worker_end, wake_first):
+    writer, reader = worker_end
+    if wake_first:
+        writer.write_wake()
+    writer.write([b"close"])
+    writer.write_wake()
+    time.sleep(0.05)
+    assert reader.await_wakes(1000) is False
+    expected = [[], [b"close"], []] if wake_first else [[b"close"], []]
+    assert [[bytes(f) for f in reader.read(0)] for _ in expected] == expected
+    assert reader.await_wakes(0) is None  # nothing left: the wait times out
+
+
+def test_a_worker_waiting_for_wake_ups_leaves_the_end_of_the_stream_to_its_read(worker_end):
+    writer, reader = worker_end
+    writer.close()
+    assert reader.await_wakes(1000) is False
+    with pytest.raises(PipeClosed):
+        reader.read(0)

@@ -66,6 +66,12 @@ class Carrier(Protocol):
     def await_wake_up(self, peer: bytes) -> bool:
         """Learner: block on ``peer``'s wake socket for a wake-up; whether one came (see ``LearnerPipes``)."""
 
+    def await_wakes(self, timeout_ms: int) -> bool | None:
+        """Worker: block up to ``timeout_ms`` for the next record; whether it was wake-ups alone.
+
+        ``True``: wake-ups alone (taken); ``False``: anything else (left for :meth:`recv`); ``None``: nothing.
+        """
+
 
 def _no_wake(to: bytes | None) -> zmq.ZMQError:
     return zmq.ZMQError(errno.EHOSTUNREACH, f"{to!r} has no wake socket")
@@ -95,6 +101,10 @@ class _Unwakeable:
         return None
 
     def await_wake_up(self, peer: bytes) -> bool:
+        """None can arrive: receive as usual."""
+        return False
+
+    def await_wakes(self, timeout_ms: int) -> bool | None:
         """None can arrive: receive as usual."""
         return False
 
@@ -220,8 +230,12 @@ class PipeCarrier:
         raise _no_wake(to)
 
     def await_wake_up(self, peer: bytes) -> bool:
-        """A worker takes its wake-ups in :meth:`recv`."""
+        """A worker takes its wake-ups in :meth:`recv`, or here between its steps (:meth:`await_wakes`)."""
         return False
+
+    def await_wakes(self, timeout_ms: int) -> bool | None:
+        """Block on the pipe for wake-ups alone (``Pipe.await_wakes``): anything else is left for :meth:`recv`."""
+        return self.pipe.await_wakes(timeout_ms)
 
     def take_fd(self) -> int | None:
         """The oldest file the learner passed and nobody took yet, waiting up to a second for it to arrive.
@@ -322,3 +336,7 @@ class LearnerCarrier:
     def await_wake_up(self, peer: bytes) -> bool:
         """Block on the wake socket of the worker process ``peer`` (see ``LearnerPipes.await_wake_up``)."""
         return self.pipes.await_wake_up(peer)
+
+    def await_wakes(self, timeout_ms: int) -> bool | None:
+        """The learner receives as usual."""
+        return False

@@ -340,6 +340,32 @@ class Pipe:
             if not self._fill() and deadline is not None and time.monotonic() >= deadline:
                 return None
 
+    def await_wakes(self, timeout_ms: int) -> bool | None:
+        """Block up to ``timeout_ms`` for the next bytes (a blocking end): whether they are wake-ups alone.
+
+        ``True``: only wake-up records came, and they are taken; ``False``: anything else came
+        (or waits already), kept for :meth:`read`, which reads it as it always does; ``None``:
+        nothing came. A worker on the shared step path waits for its next command here: one
+        read, and no record parsed unless it is more than wake-ups.
+        """
+        if self._buffer:
+            return False
+        self._bound_reads(timeout_ms / 1000)
+        try:
+            read = self.sock.recv_into(self._chunk, 0)
+        except (BlockingIOError, InterruptedError):  # SO_RCVTIMEO passed, or a signal
+            return None
+        except OSError:
+            read = 0
+        if not read:  # the end of the stream: read() finds it again, and closes the pipe there
+            return False
+        chunk = self._chunk_view[:read]
+        wake = len(_WAKE_RECORD)
+        if read % wake == 0 and chunk == _WAKE_RECORD * (read // wake):
+            return True
+        self._buffer += chunk
+        return False
+
     def _bound_reads(self, seconds: float | None) -> None:
         """Bound a blocking read to ``seconds`` (``None``: unbounded), set only when it changes."""
         if seconds is not None:

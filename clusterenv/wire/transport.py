@@ -458,6 +458,17 @@ class Channel:
         self.waited_s += time.perf_counter() - started
         return woken
 
+    def await_wakes(self, timeout: float) -> bool:
+        """Worker: block up to ``timeout`` seconds for the next record; whether it was wake-ups alone (taken).
+
+        Anything else, or nothing, is for :meth:`recv`, which reads and checks it as always. A
+        wake-up carries nothing to authenticate: it only says "read the step region's words".
+        """
+        started = time.perf_counter()
+        woken = self.carrier.await_wakes(int(timeout * 1000))
+        self.waited_s += time.perf_counter() - started
+        return woken is True
+
     def forget(self, peer: bytes) -> None:
         """Drop a peer's keys: nothing it sends is accepted any more."""
         self.sessions.pop(peer, None)

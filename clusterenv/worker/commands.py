@@ -43,6 +43,10 @@ __all__ = ["Mailbox", "Waiter", "Worker"]
 logger = logging.getLogger(__name__)
 
 
+# How long a worker waits for a command before its loop checks that its learner still exists.
+IDLE_CHECK_INTERVAL_S = 0.5
+
+
 class Waiter(Protocol):
     """What the mailbox tells before and after it blocks (the shared step path's *waits* word)."""
 
@@ -123,6 +127,15 @@ class Mailbox:
             finally:
                 waiter.awake()
         return None if received is None else received[1]
+
+    def await_wake_up(self) -> bool:
+        """Block for a wake-up alone, as :meth:`take` would block: whether one came.
+
+        ``False`` when anything else is to be read first (a queued or arriving message, or none
+        within :data:`IDLE_CHECK_INTERVAL_S`): :meth:`take` returns it next. The shared step
+        path waits here between its steps, without a turn of the worker's loop.
+        """
+        return not self.queue and self.channel.await_wakes(IDLE_CHECK_INTERVAL_S)
 
     def poll(self) -> None:
         """Read what has arrived, without waiting."""

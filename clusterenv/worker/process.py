@@ -26,7 +26,7 @@ from clusterenv.wire.messages import HelloMeta, InitMeta, meta_of
 from clusterenv.wire.pipes import PipeClosed
 from clusterenv.wire.protocol import Kind
 from clusterenv.wire.transport import SECRET_ENV_VAR, Channel, Curve, new_identity, resolve_secret
-from clusterenv.worker.commands import Mailbox, Worker
+from clusterenv.worker.commands import IDLE_CHECK_INTERVAL_S, Mailbox, Worker
 from clusterenv.worker.env_processes import ENV_PROCESS_LOST_EXIT_CODE, EnvProcessLost
 from clusterenv.worker.heartbeat import HeartbeatClient
 from clusterenv.worker.local_policy import RolloutAborted
@@ -39,8 +39,6 @@ logger = logging.getLogger(__name__)
 
 #: ``--connect pipe://FD``: a pipe inherited from the learner (local workers; :mod:`clusterenv.wire.pipes`).
 PIPE_SCHEME = "pipe://"
-# How often an idle worker wakes up to check that its learner still exists.
-IDLE_CHECK_INTERVAL_S = 0.5
 # Lets the last reply (CLOSED) leave before the socket goes; bounded for a learner that is gone.
 _EXIT_LINGER_MS = 500
 

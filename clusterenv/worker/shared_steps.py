@@ -10,10 +10,12 @@ is an ERROR message, as on the message path.
 
 Between steps the worker spins on its command counter for a while
 (:class:`~clusterenv.wire.waiting.SpinBudget`) and steps again as soon as it changes, with
-no system call at all; past the bound it returns to its mailbox, which blocks in one read
-of its pipe after raising the header's *waits* word (:meth:`_SharedStepper.sleep`): the
-learner's messages and its wake-ups (records of no frames) come there, in order. A wake-up
-only says "read the counter": one that finds no new command is ignored.
+no system call at all; past the bound it raises the header's *waits* word
+(:meth:`_SharedStepper.sleep`) and blocks in one read of its pipe, where the learner's
+messages and its wake-ups (records of no frames) come, in order. A read that brings
+wake-ups alone steps again at once; anything else (a message, nothing within the mailbox's
+bound) goes back to the mailbox, which reads it in order. A wake-up only says "read the
+counter": one that finds no new command is ignored.
 """
 
 from __future__ import annotations
@@ -155,9 +157,24 @@ class _SharedStepper:
                     return False
                 yield_core()
 
+    def _sleep_until_command(self, rows: WorkerRows) -> bool:
+        """Block for the next command as the mailbox would, without a turn of the worker's loop: whether it came.
+
+        It came when a wake-up alone arrived and the counter moved; anything else (a message,
+        a wake-up that found nothing new, no wake-up within the mailbox's bound) goes back to
+        the mailbox, which reads it in order.
+        """
+        if self.sleep() is not None:  # it came meanwhile
+            return True
+        try:
+            woken = self.worker.mailbox.await_wake_up()
+        finally:
+            self.awake()
+        return woken and rows.command[COUNTER] != self.answered
+
     # -- stepping --------------------------------------------------------------------------
     def step(self, msg: Message) -> Message | None:
-        """A wake-up, or a command seen while waiting: serve every command that comes while spinning.
+        """A wake-up, or a command seen while waiting: serve every command that comes while spinning or blocked.
 
         Replies are sent here, each before its status; nothing is left for the mailbox to send.
         """
@@ -166,7 +183,7 @@ class _SharedStepper:
             return error_reply(EnvFailure(None, "ProtocolError", "A shared-memory step before SHARE_STEP.", ""))
         while rows.command[COUNTER] != self.answered:  # else a wake-up that found nothing new
             self._step(rows)
-            if not self._await_command():
+            if not self._await_command() and not self._sleep_until_command(rows):
                 break
         return None
 
