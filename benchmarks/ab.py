@@ -18,7 +18,6 @@ Writes ``results/ab.md`` and ``results/ab.json``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import statistics
 import subprocess
@@ -27,10 +26,9 @@ import time
 from pathlib import Path
 
 import tyro
-from report import command_line  # the sibling module
+from report import command_line, write_report  # the sibling module
 
 HERE = Path(__file__).resolve().parent
-RESULTS_DIR = HERE / "results"
 
 _RUN = """
 import json, sys, time
@@ -99,12 +97,7 @@ def main(args: Args) -> None:
         spread = f"{', '.join(f'{v:,.0f}' for v in by['base'])}; {', '.join(f'{v:,.0f}' for v in by['this'])}"
         lines.append(f"| {cell} | {base:,.0f} | {this:,.0f} | {this / base:.3f} | {spread} |")
     text = "\n".join(lines) + "\n"
-    print(text)
-    RESULTS_DIR.mkdir(exist_ok=True)
-    (RESULTS_DIR / "ab.md").write_text(text)
-    (RESULTS_DIR / "ab.json").write_text(
-        json.dumps({"date": date, "args": dataclasses.asdict(args), "runs": runs}, indent=1) + "\n"
-    )
+    write_report("ab", text, {"date": date, "args": dataclasses.asdict(args), "runs": runs})
 
 
 if __name__ == "__main__":

@@ -38,10 +38,9 @@ from pathlib import Path
 from typing import Any
 
 import tyro
-from report import command_line  # the sibling module
+from report import command_line, write_report  # the sibling module
 
 HERE = Path(__file__).resolve().parent
-RESULTS_DIR = HERE / "results"
 CORES = len(os.sched_getaffinity(0))
 
 #: cell -> (Gymnasium id, number of envs, workers, batch_size).
@@ -253,13 +252,8 @@ def main(args: Args) -> None:
             f"replies `recv` took: {replies}; messages the learner sent: {check['messages_sent']}."
         )
     text = "\n".join(lines) + "\n"
-    print(text)
-    RESULTS_DIR.mkdir(exist_ok=True)
-    (RESULTS_DIR / "first_ready.md").write_text(text)
     payload = {"date": date, "cores": CORES, "args": dataclasses.asdict(args), "checks": checks}
-    (RESULTS_DIR / "first_ready.json").write_text(
-        json.dumps({**payload, "cells": cells_out, "runs": runs}, indent=1) + "\n"
-    )
+    write_report("first_ready", text, {**payload, "cells": cells_out, "runs": runs})
 
 
 if __name__ == "__main__":

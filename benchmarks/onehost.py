@@ -42,10 +42,9 @@ from pathlib import Path
 from typing import Any
 
 import tyro
-from report import command_line  # the sibling module
+from report import command_line, write_report  # the sibling module
 
 HERE = Path(__file__).resolve().parent
-RESULTS_DIR = HERE / "results"
 CORES = os.cpu_count() or 1
 
 #: cell -> (env, number of envs, workers); env is a Gymnasium id or a bench_envs class.
@@ -453,9 +452,6 @@ def main(args: Args) -> None:
                 f"messages the learner sent: {check['messages_sent']}."
             )
     text = "\n".join(lines) + "\n"
-    print(text)
-    RESULTS_DIR.mkdir(exist_ok=True)
-    (RESULTS_DIR / "onehost.md").write_text(text)
     payload = {
         "date": date,
         "cores": CORES,
@@ -463,9 +459,7 @@ def main(args: Args) -> None:
         "floor_exact_on": checked,
         "clusterenv_checks": path_checks,
     }
-    (RESULTS_DIR / "onehost.json").write_text(
-        json.dumps({**payload, "cells": cells_out, "runs": runs}, indent=1) + "\n"
-    )
+    write_report("onehost", text, {**payload, "cells": cells_out, "runs": runs})
 
 
 if __name__ == "__main__":

@@ -1,15 +1,19 @@
-"""What every benchmark report states first: the command that produced it."""
+"""What every benchmark report states first (the command that produced it), and where it is written."""
 
 from __future__ import annotations
 
+import json
 import shlex
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
-__all__ = ["command_line"]
+__all__ = ["command_line", "write_report"]
 
 BENCHMARKS = Path(__file__).resolve().parent
+#: Where every report goes, and where the documentation includes it from.
+RESULTS_DIR = BENCHMARKS / "results"
 
 
 def command_line(script: str, drop: Iterable[str] = ()) -> str:
@@ -27,3 +31,12 @@ def command_line(script: str, drop: Iterable[str] = ()) -> str:
             *(a for a in sys.argv[1:] if a not in dropped),
         ]
     )
+
+
+def write_report(name: str, text: str, figures: Mapping[str, Any] | None = None) -> None:
+    """Print a report's ``text`` and write it to ``results/NAME.md``; its raw ``figures``, if any, to ``NAME.json``."""
+    print(text)
+    RESULTS_DIR.mkdir(exist_ok=True)
+    (RESULTS_DIR / f"{name}.md").write_text(text)
+    if figures is not None:
+        (RESULTS_DIR / f"{name}.json").write_text(json.dumps(figures, indent=1) + "\n")

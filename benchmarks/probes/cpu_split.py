@@ -27,7 +27,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import json
 import os
 import platform
 import secrets
@@ -47,12 +46,11 @@ from tqdm import tqdm
 sys.path[:0] = [str(folder) for folder in Path(__file__).resolve().parents[:2]]
 from bench_envs import BurnEnv, NullEnv, SleepEnv, make_atari  # noqa: E402
 from learner_cpu import _check, _frames, floor_worker, worker_router  # noqa: E402
-from report import command_line  # noqa: E402
+from report import command_line, write_report  # noqa: E402
 
 from clusterenv import ClusterEnv  # noqa: E402
 from clusterenv.wire.processes import descendants  # noqa: E402
 
-RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 CORES = len(os.sched_getaffinity(0))
 COLUMNS = (
     "learner main",
@@ -318,12 +316,7 @@ def main(args: Args) -> None:
         result = BACKENDS[backend](CASES[name], args.seconds)
         cells.setdefault(name, {}).setdefault(backend, []).append(result)
     text = table(cells, args)
-    print(text)
-    RESULTS_DIR.mkdir(exist_ok=True)
-    (RESULTS_DIR / "cpu_split.md").write_text(text)
-    (RESULTS_DIR / "cpu_split.json").write_text(
-        json.dumps({"args": dataclasses.asdict(args), "cells": cells}, indent=1) + "\n"
-    )
+    write_report("cpu_split", text, {"args": dataclasses.asdict(args), "cells": cells})
 
 
 if __name__ == "__main__":

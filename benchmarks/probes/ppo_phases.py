@@ -25,10 +25,9 @@ from pathlib import Path
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from report import command_line  # noqa: E402
+from report import command_line, write_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS_DIR = ROOT / "benchmarks" / "results"
 CONFIGS = {
     "gym": ["--backend", "gym"],
     "--num-workers 1": ["--num-workers", "1"],
@@ -131,9 +130,7 @@ def main(args: Args) -> None:
         *(row(name, runs, steps) for name, runs in results.items()),
     ]
     text = "\n".join(lines) + "\n"
-    print(text)
-    RESULTS_DIR.mkdir(exist_ok=True)
-    (RESULTS_DIR / "ppo_phases.md").write_text(text)
+    write_report("ppo_phases", text)
 
 
 if __name__ == "__main__":

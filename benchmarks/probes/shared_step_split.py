@@ -35,12 +35,10 @@ import tyro
 # This folder, then benchmarks/ (bench_envs, report): the workers inherit the path.
 sys.path[:0] = [str(folder) for folder in Path(__file__).resolve().parents[:2]]
 from bench_envs import NullEnv  # noqa: E402
-from report import command_line  # noqa: E402
+from report import command_line, write_report  # noqa: E402
 
 from clusterenv import ClusterEnv  # noqa: E402
 from clusterenv.learner.shared_steps import NOT_YET  # noqa: E402
-
-RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 
 
 @dataclasses.dataclass
@@ -110,9 +108,7 @@ def main(args: Args) -> None:
     for name, factory in (("null env", NullEnv), ("CartPole-v1", lambda: gym.make("CartPole-v1"))):
         lines.append(measure(name, factory, args))
     text = "\n".join(lines) + "\n"
-    print(text)
-    RESULTS_DIR.mkdir(exist_ok=True)
-    (RESULTS_DIR / "shared_step_split.md").write_text(text)
+    write_report("shared_step_split", text)
 
 
 if __name__ == "__main__":

@@ -31,13 +31,12 @@ import tyro
 
 sys.path[:0] = [str(folder) for folder in Path(__file__).resolve().parents[:2]]  # bench_envs, report, spin_floor
 from bench_envs import NullEnv  # noqa: E402
-from report import command_line  # noqa: E402
+from report import command_line, write_report  # noqa: E402
 from spin_floor import SpinFloor  # noqa: E402
 
 from clusterenv import ClusterEnv  # noqa: E402
 from clusterenv.learner.call_state import AsyncState  # noqa: E402
 
-RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 PHASES = ("start", "actions", "record", "command", "own envs", "wait", "results")
 ENVS = {"cartpole": lambda: gym.make("CartPole-v1"), "null": NullEnv}
 
@@ -165,9 +164,7 @@ def main(args: Args) -> None:
                 f"| {name} | {'clusterenv split' if backend == 'split' else 'spin_floor'} | {' | '.join(cells)} |"
             )
     text = "\n".join(lines) + "\n"
-    print(text)
-    RESULTS_DIR.mkdir(exist_ok=True)
-    (RESULTS_DIR / "split_phases.md").write_text(text)
+    write_report("split_phases", text)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import glob
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -44,12 +43,11 @@ import zmq
 sys.path[:0] = [str(folder) for folder in Path(__file__).resolve().parents[:2]]
 from bench_envs import TracedBurnEnv  # noqa: E402
 from learner_cpu import hello_dealer, worker_router  # noqa: E402
-from report import command_line  # noqa: E402
+from report import command_line, write_report  # noqa: E402
 
 from clusterenv import ClusterEnv  # noqa: E402
 from clusterenv.launch.launchers import LocalLauncher  # noqa: E402
 
-RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 CORES = len(os.sched_getaffinity(0))
 
 
@@ -257,11 +255,8 @@ def main(args: Args) -> None:
             *(f"| {name} | {rate:,.0f} |" for name, rate in results["floors"].items()),
         ]
     text = "\n".join(lines) + "\n"
-    print(text)
-    RESULTS_DIR.mkdir(exist_ok=True)
-    (RESULTS_DIR / "timeline.md").write_text(text)
     results.update(cores=CORES, date=date, args=dataclasses.asdict(args))
-    (RESULTS_DIR / "timeline.json").write_text(json.dumps(results, indent=1) + "\n")
+    write_report("timeline", text, results)
 
 
 if __name__ == "__main__":

@@ -27,11 +27,9 @@ import torch
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from report import command_line  # noqa: E402  (benchmarks/report.py)
+from report import command_line, write_report  # noqa: E402  (benchmarks/report.py)
 
 from clusterenv import ClusterEnv  # noqa: E402
-
-RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 
 
 @dataclasses.dataclass
@@ -109,9 +107,7 @@ def main(args: Args) -> None:
         + "".join(f"| {name} | {value:.1f} |\n" for name, value in medians.items())
         + f"\nbeside spinning / beside blocking: {ratio:.3f}x\n"
     )
-    print(text)
-    RESULTS_DIR.mkdir(exist_ok=True)
-    (RESULTS_DIR / "update_beside_spinning.md").write_text(text)
+    write_report("update_beside_spinning", text)
 
 
 if __name__ == "__main__":

@@ -31,9 +31,7 @@ from pathlib import Path
 import tyro
 
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # report and bench_envs, one level up
-from report import command_line  # noqa: E402
-
-RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
+from report import command_line, write_report  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -138,9 +136,7 @@ def main(args: Args) -> None:
         cpu = statistics.median(v[1] for v in values)
         lines.append(f"| {kind} | {wall:.1f} | {cpu:.1f} |")
     text = "\n".join(lines) + "\n"
-    print(text)
-    RESULTS_DIR.mkdir(exist_ok=True)
-    (RESULTS_DIR / "wakeups.md").write_text(text)
+    write_report("wakeups", text)
 
 
 if __name__ == "__main__":

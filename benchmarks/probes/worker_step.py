@@ -17,7 +17,6 @@ Writes ``results/worker_step.json`` and ``results/worker_step.md``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import statistics
 import sys
@@ -31,7 +30,7 @@ import tyro
 from gymnasium.vector import AutoresetMode
 
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # report and bench_envs, one level up
-from report import command_line  # noqa: E402
+from report import command_line, write_report  # noqa: E402
 
 from clusterenv import ClusterEnv  # noqa: E402
 from clusterenv.wire.leaves import unflatten  # noqa: E402
@@ -40,7 +39,6 @@ from clusterenv.worker.commands import Worker  # noqa: E402
 from clusterenv.worker.shared_steps import _SharedStepper  # noqa: E402
 from clusterenv.worker.units import build_worker_envs  # noqa: E402
 
-RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 NUM_ENVS = 8
 
 
@@ -154,11 +152,8 @@ def main(args: Args) -> None:
         f"| {alone / NUM_ENVS:.2f} | {alone / sync:.2f}x |"
     )
     text = "\n".join(lines) + "\n"
-    print(text)
-    RESULTS_DIR.mkdir(exist_ok=True)
-    (RESULTS_DIR / "worker_step.md").write_text(text)
     payload = {"date": date, "cores": os.cpu_count(), "args": dataclasses.asdict(args), "medians_us": medians}
-    (RESULTS_DIR / "worker_step.json").write_text(json.dumps({**payload, "runs": runs}, indent=1) + "\n")
+    write_report("worker_step", text, {**payload, "runs": runs})
 
 
 if __name__ == "__main__":
