@@ -111,7 +111,8 @@ class SharedSteps:
         self._wakers: dict[int, Callable[[], None]] = {}  # worker → what wakes its process
         self._layouts: dict[int, InfoLayout] = {}  # the info layout each worker named last
         self._scalar_infos: dict[int, ScalarInfos | None] = {}  # that layout as typed fields, if all scalars
-        self._batch_infos: tuple[ScalarInfos, np.ndarray] | None = None  # the batch's info rows seen through one
+        # The scalar layout every worker named, if they all named the same, with the batch's info rows seen through it.
+        self._batch_infos: tuple[ScalarInfos, np.ndarray] | None = None
         # Each worker's rewards, terminations and truncations: views of the batch's own arrays.
         self._fields = [[rows.rewards, rows.terminations, rows.truncations] for rows in region.workers]
         self._workers = range(len(region.workers))
@@ -138,6 +139,7 @@ class SharedSteps:
         self.on_path.discard(worker_id)
         self._layouts.pop(worker_id, None)
         self._scalar_infos.pop(worker_id, None)
+        self._batch_infos = None
         if not self.can_join(worker_id):
             return None
         rows.clear()
@@ -403,13 +405,16 @@ class SharedSteps:
 
         For a step every worker answered with ``INFOS``: each env then reported every key.
         """
+        shared = self._batch_infos
+        return None if shared is None else shared[0].batch(shared[1])
+
+    def _share_scalar_infos(self) -> None:
+        """After a worker named a layout: the one every worker named, if all named the same scalars."""
         scalars = self._scalar_infos.get(0)
         if scalars is None or any(self._scalar_infos.get(w) != scalars for w in self._workers):
-            return None
-        seen = self._batch_infos
-        if seen is None or seen[0] != scalars:
-            seen = self._batch_infos = (scalars, scalars.rows(self.region.infos))
-        return scalars.batch(seen[1])
+            self._batch_infos = None
+        else:
+            self._batch_infos = (scalars, scalars.rows(self.region.infos))
 
     def all_taken(self) -> None:
         """Every worker's step in flight was read from its words (:meth:`final_status`): every step is over."""
@@ -452,6 +457,7 @@ class SharedSteps:
             try:
                 self._layouts[worker_id] = layout = check_layout(msg.meta["info_layout"])
                 self._scalar_infos[worker_id] = scalar_infos(layout)
+                self._share_scalar_infos()
             except ValueError as exc:
                 raise ProtocolError(f"Worker {worker_id} named an invalid info layout: {exc}") from None
         meta = {key: value for key, value in msg.meta.items() if key not in ("step", "info_layout")}

@@ -35,6 +35,7 @@ __all__ = [
     "Column",
     "InfoPayload",
     "InfoRecord",
+    "PYTHON_NUMBERS",
     "PackedInfos",
     "merge_infos",
     "pack_infos",
@@ -63,8 +64,9 @@ InfoPayload = PackedInfos | list[InfoRecord]
 #: than replaying one or two envs' infos (measured on Atari's three info keys).
 PACK_MIN_ENVS = 4
 
-_PYTHON_NUMBERS = {int: "int", float: "float", bool: "bool"}
-_FROM_ROW = {"int": int, "float": float, "bool": bool}
+#: The Python number types a packed column names, by name (a column's values come back as these).
+PYTHON_NUMBERS: dict[str, type] = {"int": int, "float": float, "bool": bool}
+_PYTHON_NUMBERS = {kind: name for name, kind in PYTHON_NUMBERS.items()}
 
 
 class _InfoBatcher(VectorEnv):
@@ -403,8 +405,8 @@ def _unpack(columns: tuple[Column, ...], size: int) -> list[dict[str, Any]]:
             values = [nested[row] for row in row_list]
         else:
             array, python_type = _values(data, size), data[0]
-            if python_type in _FROM_ROW:
-                values = [_FROM_ROW[python_type](array[row]) for row in row_list]
+            if python_type in PYTHON_NUMBERS:
+                values = [PYTHON_NUMBERS[python_type](array[row]) for row in row_list]
             elif python_type == "numpy":
                 values = [array[row] for row in row_list]
             else:

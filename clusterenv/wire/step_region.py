@@ -74,7 +74,7 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
-from clusterenv.wire.infos import Column, InfoPayload, InfoRecord, PackedInfos
+from clusterenv.wire.infos import PYTHON_NUMBERS, Column, InfoPayload, InfoRecord, PackedInfos
 from clusterenv.wire.leaves import is_array_tree, leaf_specs, unflatten
 from clusterenv.wire.messages import StepRegionMeta
 from clusterenv.wire.region_file import open_region_file
@@ -481,10 +481,6 @@ def _read(rows: np.ndarray, layout: InfoLayout, start: int) -> tuple[tuple[Colum
     return tuple(columns), start
 
 
-#: Each scalar python type of a layout, as the type of the values that have it (``numpy``: the dtype's own).
-_SCALAR_PYTHON: dict[str, type] = {"int": int, "float": float, "bool": bool}
-
-
 @dataclass(frozen=True)
 class ScalarInfos:
     """A layout of scalars only, at the top level (MuJoCo's and Atari's infos), as typed fields of the info rows.
@@ -553,7 +549,7 @@ def scalar_infos(layout: InfoLayout) -> ScalarInfos | None:
         key, python_type, char, _ = entry
         dtype = np.dtype(char)
         keys.append(key)
-        types.append(_SCALAR_PYTHON.get(python_type, dtype.type))
+        types.append(PYTHON_NUMBERS.get(python_type, dtype.type))  # ``numpy``: the dtype's own scalar type
         formats.append(dtype)
         offsets.append(start)
         start += _slot(_width(char, ()))
