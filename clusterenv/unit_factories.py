@@ -3,27 +3,21 @@
 A unit is an entry of ``env_fns`` that makes a whole vector env (:mod:`clusterenv.worker.units`).
 These factories travel to the workers pickled, like any env factory, and decide there what
 only the worker's host knows (its cores). A worker imports this module to unpickle them, so it
-imports no tier of clusterenv: EnvPool, SuperSuit and PettingZoo are imported when a unit is made.
+imports no tier of clusterenv, only :mod:`clusterenv.cores` (which imports nothing): EnvPool,
+SuperSuit and PettingZoo are imported when a unit is made.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from gymnasium.vector import AutoresetMode, VectorEnv, VectorWrapper
 
-__all__ = ["EnvPoolShare", "PettingZooCopy", "host_cores"]
+from clusterenv.cores import usable_cores
 
-
-def host_cores() -> int:
-    """The cores this process may run on (its CPU affinity where the OS has one, else every core)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+__all__ = ["EnvPoolShare", "PettingZooCopy"]
 
 
 @dataclass(frozen=True)
@@ -37,8 +31,8 @@ class EnvPoolShare:
         task_id: EnvPool's task id (``"CartPole-v1"``, ``"Pong-v5"``).
         num_envs: the envs of this share.
         seed: the seed of its first env.
-        num_threads: EnvPool's threads; ``None``: the cores of the host it is made on, divided by
-            ``workers_per_host``.
+        num_threads: EnvPool's threads; ``None``: the usable cores of the host it is made on
+            (:func:`clusterenv.cores.usable_cores`), divided by ``workers_per_host``.
         workers_per_host: how many shares are made on one host (local workers: all of them).
         kwargs: other arguments of ``envpool.make`` (``episodic_life``, ``img_height``, ...).
     """
@@ -54,7 +48,7 @@ class EnvPoolShare:
         """The threads this share's EnvPool runs, on the host where it is made."""
         if self.num_threads is not None:
             return self.num_threads
-        return max(1, host_cores() // self.workers_per_host)
+        return max(1, usable_cores() // self.workers_per_host)
 
     def __call__(self) -> Any:
         """Make the EnvPool: a ``gymnasium.vector.VectorEnv`` (``NEXT_STEP`` autoreset), untyped in EnvPool."""

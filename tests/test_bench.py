@@ -17,8 +17,10 @@ import numpy as np
 import pytest
 
 from clusterenv.bench.candidates import clusterenv_options, worker_counts
+from clusterenv.bench.cli import main
 from clusterenv.bench.exactness import check_exact, first_difference
 from clusterenv.bench.report import Row, recommend
+from clusterenv.learner.layout import workers_and_learner
 from tests.envs import ProcessCounterEnv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,23 +61,24 @@ def row(label: str, backend: str, rate: float, options: dict | None = None) -> R
     return Row(label, backend, options or {}, rate, rate / 100.0)
 
 
+SYNC_ROW = row("SyncVectorEnv", "SyncVectorEnv", 100)
+
+
 @pytest.mark.parametrize(
     ("rows", "text"),
     [
-        ([row("SyncVectorEnv", "SyncVectorEnv", 100), row("clusterenv", "ClusterEnv", 40)], "stay on SyncVectorEnv"),
+        ([SYNC_ROW, row("clusterenv", "ClusterEnv", 40)], "stay on SyncVectorEnv"),
         (
-            [row("SyncVectorEnv", "SyncVectorEnv", 100), row("w=2", "ClusterEnv", 170, {"num_workers": 2})],
+            [SYNC_ROW, row("w=2", "ClusterEnv", 170, {"num_workers": 2})],
             "use clusterenv with these arguments, ClusterEnv(env_fns, num_workers=2): 1.70x",
         ),
         (
-            [
-                row("SyncVectorEnv", "SyncVectorEnv", 100),
-                row("act", "ClusterEnv+PolicyRunner", 210, {"rollout_steps": 32}),
-            ],
-            "workers acting pays: 2.10x",
+            [SYNC_ROW, row("defaults", "ClusterEnv", 150), row("w=2", "ClusterEnv", 170, {"num_workers": 2})],
+            "use clusterenv with these arguments, ClusterEnv(env_fns, num_workers=2): 1.70x",
         ),
+        ([SYNC_ROW, row("act", "ClusterEnv+PolicyRunner", 210, {"rollout_steps": 32})], "workers acting pays: 2.10x"),
     ],
-    ids=["sync", "clusterenv", "acting"],
+    ids=["sync", "clusterenv", "defaults-too-slow", "acting"],
 )
 def test_the_recommendation_is_the_fastest_row(rows: list[Row], text: str) -> None:
     advice = recommend(rows)
@@ -84,16 +87,31 @@ def test_the_recommendation_is_the_fastest_row(rows: list[Row], text: str) -> No
     assert advice.text.startswith(text)
 
 
-def test_worker_counts_reach_the_usable_cores_and_rows_are_option_lists() -> None:
+@pytest.mark.parametrize("rate", [170, 162, 161.5], ids=["fastest", "4.7%-behind", "5%-behind"])
+def test_the_defaults_are_recommended_within_5_percent_of_the_fastest_clusterenv_row(rate: float) -> None:
+    rows = [SYNC_ROW, row("defaults", "ClusterEnv", rate), row("w=2", "ClusterEnv", 170, {"num_workers": 2})]
+    advice = recommend(rows)
+    assert (advice.backend, advice.options, advice.vs_sync) == ("ClusterEnv", {}, rate / 100)
+    assert advice.text.startswith(f"use clusterenv with the defaults (ClusterEnv(env_fns)): {rate / 100:.2f}x")
+    assert ("within 5% of the fastest, `w=2` (1.70x)" in advice.text) == (rate != 170)
+
+
+def test_clusterenv_rows_are_the_defaults_then_other_worker_counts() -> None:
     assert worker_counts(16, 64) == [1, 4, 8, 16]
     assert worker_counts(2, 16) == [1, 2]
     assert worker_counts(16, 2) == [1, 2]
-    labels_and_options = clusterenv_options(16, 2)
-    assert labels_and_options[0] == ("clusterenv (defaults)", {})
-    assert all(isinstance(label, str) and isinstance(options, dict) for label, options in labels_and_options)
-    # The drop-in guide's advice for cheap envs: one worker fewer than the cores, the learner a worker's share.
-    assert labels_and_options[-1] == ("clusterenv num_workers=1 learner_envs=8", {"num_workers": 1, "learner_envs": 8})
-    assert clusterenv_options(64, 16)[-1][1] == {"num_workers": 15, "learner_envs": 4}
+    for num_envs, cores in [(16, 2), (64, 16), (16, 1), (1, 4)]:
+        rows = clusterenv_options(num_envs, cores)
+        assert rows[0] == ("clusterenv (defaults)", {})
+        # The defaults' layout is the split (a worker per core but one, the learner a share): no row repeats it.
+        default = workers_and_learner(num_envs, cores)
+        others = [(options["num_workers"], options.get("learner_envs", 0)) for _, options in rows[1:]]
+        assert (default.num_workers, default.learner_envs) not in others
+    assert clusterenv_options(16, 2)[1:] == [
+        ("clusterenv num_workers=1", {"num_workers": 1}),
+        ("clusterenv num_workers=2", {"num_workers": 2}),
+    ]
+    assert clusterenv_options(1, 4) == [("clusterenv (defaults)", {})]  # one env: one worker is the defaults
 
 
 def test_a_run_writes_the_report_and_its_json(tmp_path: Path) -> None:
@@ -122,7 +140,11 @@ def test_a_run_writes_the_report_and_its_json(tmp_path: Path) -> None:
     for r in report["rows"]:
         assert set(r) >= {"backend", "options", "env_steps_per_s", "vs_sync"} and isinstance(r["options"], dict)
         assert r["vs_sync"] == pytest.approx(r["env_steps_per_s"] / report["rows"][0]["env_steps_per_s"])
+    assert [r["label"] for r in report["rows"] if r["backend"] == "ClusterEnv"][0] == "clusterenv (defaults)"
     fastest = max(report["rows"], key=lambda r: r["env_steps_per_s"])
+    defaults = next(r for r in report["rows"] if r["label"] == "clusterenv (defaults)")
+    if fastest["backend"] == "ClusterEnv" and defaults["env_steps_per_s"] >= 0.95 * fastest["env_steps_per_s"]:
+        fastest = defaults
     advice = report["recommendation"]
     assert (advice["backend"], advice["options"], advice["vs_sync"]) == (
         fastest["backend"],
@@ -143,10 +165,28 @@ def test_a_run_writes_the_report_and_its_json(tmp_path: Path) -> None:
             ["--entry-point", "tests.envs:LockedSpaceEnv", "--num-envs", "2"],
             "clusterenv cannot run `tests.envs:LockedSpaceEnv`",
         ),
+        (
+            ["--entry-point", "os:getcwd"],
+            "`os:getcwd` must return a `gymnasium.Env`, but it returned a str (",
+        ),
+        (
+            ["--entry-point", "tests.envs:make_without_return"],
+            "`tests.envs:make_without_return` must return a `gymnasium.Env`, but it returned None (does the factory "
+            "miss a `return`?)",
+        ),
         ([], "give an env id or `--entry-point module:function`"),
         (["CartPole-v1", "--num-envs", "0"], "`--num-envs` must be at least 1, got 0"),
     ],
-    ids=["unknown-id", "entry-point-not-importing", "entry-point-missing", "spaces-not-carried", "nothing", "num-envs"],
+    ids=[
+        "unknown-id",
+        "entry-point-not-importing",
+        "entry-point-missing",
+        "spaces-not-carried",
+        "not-an-env",
+        "none",
+        "nothing",
+        "num-envs",
+    ],
 )
 def test_bad_input_ends_with_one_line_and_status_2(args: list[str], message: str) -> None:
     done = bench(*args)
@@ -154,3 +194,16 @@ def test_bad_input_ends_with_one_line_and_status_2(args: list[str], message: str
     errors = [line for line in done.stderr.splitlines() if "error" in line]  # progress lines may come before
     assert len(errors) == 1 and message in errors[0] and errors[0] == done.stderr.strip().splitlines()[-1], done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("seconds", ["inf", "nan", "-1", "0"])
+def test_seconds_that_would_never_end_or_never_start_are_refused(
+    seconds: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["CartPole-v1", f"--seconds={seconds}"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        f"clusterenv-bench: error: `--seconds` must be a positive, finite number, got {float(seconds)}"
+    ]

@@ -19,19 +19,21 @@ PACKAGE = Path(__file__).resolve().parents[1] / "clusterenv"
 # What each part of the package may import, at module level or inside a function.
 MAY_IMPORT: dict[str, set[str]] = {
     "errors": set(),
-    "wire": {"errors"},
-    "stepping": {"errors", "wire"},
-    "policy": {"errors", "wire"},
-    "worker": {"errors", "wire", "policy", "stepping"},
-    "launch": {"errors", "wire"},
-    "learner": {"errors", "wire", "policy", "launch", "stepping"},
-    "unit_factories": set(),
-    "make": {"launch", "learner", "unit_factories"},
-    "pettingzoo": {"learner", "unit_factories"},
-    "sb3": {"errors", "wire", "learner"},
+    # The usable cores (affinity within cgroup quotas): one answer for every tier, so it imports nothing.
+    "cores": set(),
+    "wire": {"errors", "cores"},
+    "stepping": {"errors", "cores", "wire"},
+    "policy": {"errors", "cores", "wire"},
+    "worker": {"errors", "cores", "wire", "policy", "stepping"},
+    "launch": {"errors", "cores", "wire"},
+    "learner": {"errors", "cores", "wire", "policy", "launch", "stepping"},
+    "unit_factories": {"cores"},
+    "make": {"cores", "launch", "learner", "unit_factories"},
+    "pettingzoo": {"cores", "learner", "unit_factories"},
+    "sb3": {"errors", "cores", "wire", "learner"},
     # The top tier: the benchmark command runs ClusterEnv and PolicyRunner; nothing imports it.
-    "bench": {"errors", "wire", "policy", "launch", "learner", "make"},
-    "__init__": {"errors", "wire", "policy", "launch", "learner", "make"},
+    "bench": {"errors", "cores", "wire", "policy", "launch", "learner", "make"},
+    "__init__": {"errors", "cores", "wire", "policy", "launch", "learner", "make"},
 }
 # The one import allowed only inside a function: a Ray actor runs the worker in its own process.
 INSIDE_A_FUNCTION_ONLY: dict[str, set[str]] = {"launch": {"worker"}}

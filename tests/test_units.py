@@ -396,14 +396,14 @@ def test_policy_runner_acts_on_units_as_on_the_same_single_envs():
 # -- EnvPool on every host -----------------------------------------------------------------------
 @needs_envpool
 def test_envpool_recipe_builds_one_envpool_per_worker_equal_to_one_envpool():
-    from clusterenv.unit_factories import host_cores
+    from clusterenv.cores import usable_cores
 
     vector_kwargs = {"units": "envpool", "num_workers": 2}
     with clusterenv_make_vec("CartPole-v1", 9, vector_kwargs, seed=3) as envs, closing(envpool_cartpoles(9, 3)) as one:
         assert [w["units"] for w in envs.worker_info] == [[(0, 4)], [(5, 8)]]
         # Local workers share this host's cores: each EnvPool takes half (at most one thread per env).
         threads = envs.apply(lambda pool: pool.config["num_threads"])
-        assert threads == (min(max(1, host_cores() // 2), 5),) * 5 + (min(max(1, host_cores() // 2), 4),) * 4
+        assert threads == (min(max(1, usable_cores() // 2), 5),) * 5 + (min(max(1, usable_cores() // 2), 4),) * 4
         assert_same(envs.reset()[0], one.reset()[0])
         for t in range(200):
             actions = np.full(9, t % 2)
@@ -434,7 +434,7 @@ def test_envpool_recipe_on_another_host_uses_that_hosts_cores():
 
     if reason := netns.unavailable():
         pytest.skip(f"no other host here: {reason}")
-    from clusterenv.unit_factories import host_cores
+    from clusterenv.cores import usable_cores
 
     with netns.other_host() as host, netns.external_workers(host, 2, SECRET) as address:
         vector_kwargs = {
@@ -451,7 +451,7 @@ def test_envpool_recipe_on_another_host_uses_that_hosts_cores():
         ):
             assert [w["host"] for w in envs.worker_info] == [host.hostname] * 2
             # One worker per host: each EnvPool takes every core of its host (at most one thread per env).
-            assert envs.apply(lambda pool: pool.config["num_threads"]) == (min(host_cores(), 4),) * 8
+            assert envs.apply(lambda pool: pool.config["num_threads"]) == (min(usable_cores(), 4),) * 8
             assert_same(envs.reset()[0], one.reset()[0])
             for t in range(100):
                 actions = np.full(8, t % 2)

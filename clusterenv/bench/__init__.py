@@ -4,7 +4,8 @@ It first checks that clusterenv returns exactly what ``SyncVectorEnv`` returns f
 (:mod:`~clusterenv.bench.exactness`), then times lockstep env-steps/s of every backend that
 could run it (:mod:`~clusterenv.bench.candidates`, :mod:`~clusterenv.bench.backends`),
 alternating them in rounds and keeping medians (:mod:`~clusterenv.bench.measurement`), and
-prints a table against ``SyncVectorEnv`` with one recommendation, the fastest row
+prints a table against ``SyncVectorEnv`` with one recommendation, the fastest row, or
+clusterenv's defaults where they are within 5% of the fastest clusterenv row
 (:mod:`~clusterenv.bench.report`). The command line is :mod:`~clusterenv.bench.cli`.
 
 This package sits above the learner: nothing in clusterenv imports it, and workers never load it.

@@ -1,8 +1,9 @@
 """The rows of the table: which backends, with which options, this env and machine get.
 
 ClusterEnv's rows are ``(label, ClusterEnv keyword options)`` pairs in :func:`clusterenv_options`,
-so a new option becomes a row by adding one line there. A row that cannot run here (EnvPool not
-installed or without this env, no MLP for these spaces) is left out with the reason.
+the defaults first, so a new option becomes a row by adding one line there. A row that cannot
+run here (EnvPool not installed or without this env, no MLP for these spaces) is left out with
+the reason.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from clusterenv.bench.backends import (
     envpool_knows,
 )
 from clusterenv.bench.target import EnvTarget
-from clusterenv.learner.validation import default_num_workers
+from clusterenv.learner.layout import workers_and_learner
 from clusterenv.learner.vector_env import ClusterEnv
 from clusterenv.policy.heads import Head
 
@@ -62,21 +63,22 @@ def worker_counts(cores: int, num_envs: int) -> list[int]:
 
 
 def clusterenv_options(num_envs: int, cores: int) -> list[tuple[str, dict[str, Any]]]:
-    """ClusterEnv's rows, ``(label, ClusterEnv keyword options)``.
+    """ClusterEnv's rows, ``(label, ClusterEnv keyword options)``: the defaults first, then other worker counts.
 
-    The defaults, other worker counts, and the drop-in guide's advice for cheap envs: one
-    worker fewer than the cores, and the learner stepping as many envs as each worker.
+    The defaults (``ClusterEnv(env_fns)``) lay out the bench's local lockstep envs by
+    :func:`~clusterenv.learner.layout.workers_and_learner`: a worker per core but one, the
+    learner stepping one worker's share. That is the split the drop-in guide advises for cheap
+    envs, so it has no row of its own. The other rows put every env in a worker process, at
+    the worker counts of :func:`worker_counts`; one that is the defaults' layout (a single
+    env) is left out.
     """
+    default = workers_and_learner(num_envs, cores)
     rows: list[tuple[str, dict[str, Any]]] = [("clusterenv (defaults)", {})]
-    default = default_num_workers(num_envs)
     rows += [
-        (f"clusterenv num_workers={w}", {"num_workers": w}) for w in worker_counts(cores, num_envs) if w != default
+        (f"clusterenv num_workers={w}", {"num_workers": w})
+        for w in worker_counts(cores, num_envs)
+        if (w, 0) != (default.num_workers, default.learner_envs)
     ]
-    workers = max(1, min(cores - 1, num_envs - 1))
-    learner_envs = num_envs // (workers + 1)
-    if learner_envs:
-        options = {"num_workers": workers, "learner_envs": learner_envs}
-        rows.append((f"clusterenv num_workers={workers} learner_envs={learner_envs}", options))
     return rows
 
 

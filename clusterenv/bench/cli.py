@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -18,7 +19,8 @@ from clusterenv.bench.candidates import SYNC, candidates
 from clusterenv.bench.exactness import check_exact
 from clusterenv.bench.measurement import env_step_us, measure
 from clusterenv.bench.report import Report, Row, format_report, recommend, to_json
-from clusterenv.bench.target import BenchInputError, EnvTarget, resolve_target, usable_cores
+from clusterenv.bench.target import BenchInputError, EnvTarget, resolve_target
+from clusterenv.cores import usable_cores
 from clusterenv.errors import ClusterEnvError
 
 __all__ = ["main", "run"]
@@ -107,8 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in ("num_envs", "rounds", "check_steps"):
         if getattr(args, name) < 1:
             parser.error(f"`--{name.replace('_', '-')}` must be at least 1, got {getattr(args, name)}")
-    if not args.seconds > 0:
-        parser.error(f"`--seconds` must be positive, got {args.seconds}")
+    if not (math.isfinite(args.seconds) and args.seconds > 0):  # inf would never end; nan compares false
+        parser.error(f"`--seconds` must be a positive, finite number, got {args.seconds}")
 
     def progress(message: str) -> None:
         print(f"{PROG}: {message}", file=sys.stderr, flush=True)

@@ -1,7 +1,9 @@
 """The outcome of a run: rows against ``SyncVectorEnv``, one recommendation, as a table or as JSON.
 
 The recommendation is the fastest row, by the same medians the table shows, so the advice
-and the numbers never disagree.
+and the numbers never disagree; where that is a lockstep clusterenv row, it is the defaults
+instead when their row is within :data:`DEFAULTS_WITHIN` of it: a difference that small is
+the noise between runs, and the defaults follow the machine they run on.
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ from typing import Any
 
 from clusterenv.bench.exactness import Exactness
 
-__all__ = ["Recommendation", "Report", "Row", "format_report", "recommend", "to_json"]
+__all__ = ["DEFAULTS_WITHIN", "Recommendation", "Report", "Row", "format_report", "recommend", "to_json"]
+
+#: How far below the fastest clusterenv row the defaults' row may be and still be recommended.
+DEFAULTS_WITHIN = 0.05
 
 
 @dataclass(frozen=True)
@@ -56,9 +61,22 @@ def _call(name: str, options: dict[str, Any]) -> str:
 
 
 def recommend(rows: list[Row]) -> Recommendation:
-    """The advice of the fastest row ("stay on SyncVectorEnv", "use clusterenv with these arguments: ...")."""
+    """The advice of the fastest row ("stay on SyncVectorEnv", "use clusterenv with these arguments: ...").
+
+    Where the fastest row is a lockstep clusterenv row, the defaults' row (``ClusterEnv`` with
+    no options) is recommended instead when it is within :data:`DEFAULTS_WITHIN` of it.
+    """
     best = max(rows, key=lambda row: row.env_steps_per_s)
     ratio = f"{best.vs_sync:.2f}x"
+    defaults = next((row for row in rows if row.backend == "ClusterEnv" and not row.options), None)
+    if (
+        best.backend == "ClusterEnv"
+        and defaults is not None
+        and defaults.env_steps_per_s >= (1 - DEFAULTS_WITHIN) * best.env_steps_per_s
+    ):
+        close = "" if defaults is best else f", within {DEFAULTS_WITHIN:.0%} of the fastest, `{best.label}` ({ratio})"
+        text = f"use clusterenv with the defaults ({_call('ClusterEnv', {})}): {defaults.vs_sync:.2f}x{close}"
+        return Recommendation(defaults.backend, {}, defaults.vs_sync, text)
     if best.backend == "SyncVectorEnv":
         others = [row for row in rows if row is not best]
         runner_up = max(others, key=lambda row: row.env_steps_per_s) if others else None

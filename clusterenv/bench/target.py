@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import gymnasium as gym
 
-__all__ = ["BenchInputError", "EnvTarget", "resolve_target", "usable_cores"]
+__all__ = ["BenchInputError", "EnvTarget", "resolve_target"]
 
 
 class BenchInputError(ValueError):
@@ -34,14 +33,6 @@ class EnvTarget:
     name: str
     env_id: str | None
     make: Callable[[], gym.Env]
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity mask), else all the machine's cores."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS and Windows have no affinity mask
-        return os.cpu_count() or 1
 
 
 def resolve_target(env_id: str | None, entry_point: str | None) -> EnvTarget:
@@ -66,9 +57,10 @@ def resolve_target(env_id: str | None, entry_point: str | None) -> EnvTarget:
         env = target.make()
     except Exception as exc:
         raise BenchInputError(f"`{target.name}` could not be made: {type(exc).__name__}: {_one_line(exc)}") from exc
+    if not isinstance(env, gym.Env):
+        # Anything else may have no close() either (a str, or None from a factory missing its `return`).
+        raise BenchInputError(f"`{target.name}` must return a `gymnasium.Env`, but it returned {_returned(env)}")
     try:
-        if not isinstance(env, gym.Env):
-            raise BenchInputError(f"`{target.name}` must make a `gymnasium.Env`, got {type(env).__name__}")
         for name in ("observation_space", "action_space"):
             space = getattr(env, name, None)
             if not isinstance(space, gym.spaces.Space):
@@ -100,6 +92,14 @@ def _entry_point(entry_point: str) -> Callable[[], gym.Env]:
     if not callable(factory):
         raise BenchInputError(f"`--entry-point {entry_point}`: expected a callable, got {type(factory).__name__}")
     return factory
+
+
+def _returned(value: object) -> str:
+    """What a factory returned, for the error: its type, and its value where that is short."""
+    if value is None:
+        return "None (does the factory miss a `return`?)"
+    text = repr(value)
+    return f"a {type(value).__name__} ({text})" if len(text) <= 60 else f"a {type(value).__name__}"
 
 
 def _one_line(exc: BaseException) -> str:

@@ -176,6 +176,7 @@ class PolicyRunner(abc.ABC):
 
         if not isinstance(envs, ClusterEnv):
             raise TypeError(f"`envs` must be a ClusterEnv, whose workers can hold a policy, got {type(envs).__name__}.")
+        envs.place_every_env_in_workers("a PolicyRunner (the workers act)")
         if envs.autoreset_mode == AutoresetMode.DISABLED:
             raise PolicyError(
                 "Rollouts need the envs to reset themselves: use autoreset_mode NEXT_STEP or SAME_STEP, not DISABLED."

@@ -8,7 +8,6 @@ factories and the learner's env registry (:func:`worker_context`) are pickled he
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -45,7 +44,6 @@ __all__ = [
     "check_seconds",
     "check_seeds",
     "check_spin_us",
-    "default_num_workers",
     "pickle_argument",
     "pickle_env_fn",
     "worker_context",
@@ -70,15 +68,8 @@ def check_autoreset_mode(autoreset_mode: Any) -> AutoresetMode | None:
     return AutoresetMode(check_choice("autoreset_mode", mode, [m.value for m in AutoresetMode]))
 
 
-def check_first_ready(
-    observation_mode: Any, autoreset_mode: AutoresetMode | None = None, learner_envs: int = 0
-) -> None:
-    """Check first-ready batches' needs: one observation space, every env in a worker, an autoreset mode."""
-    if learner_envs:
-        raise ValueError(
-            f"async_reset/send/recv step whole workers as they come back, and the learner steps {learner_envs} "
-            "envs itself (`learner_envs`): use `learner_envs=0` for first-ready batches."
-        )
+def check_first_ready(observation_mode: Any, autoreset_mode: AutoresetMode | None = None) -> None:
+    """Check first-ready batches' needs: one observation space and an autoreset mode."""
     if observation_mode == "different":
         raise ValueError(
             "async_reset/send/recv batch any subset of envs, so they need observation_mode='same' "
@@ -426,14 +417,13 @@ def worker_context(observation_space: spaces.Space | None) -> bytes:
     return cloudpickle.dumps({"registry": specs, "observation_space": observation_space})
 
 
-def default_num_workers(num_envs: int, learner_busy: bool = False) -> int:
-    """One worker per available core (but the learner's, where it steps envs itself), at most one per env."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(cores - learner_busy, num_envs))
+def check_learner_envs(learner_envs: Any, num_envs: int, batch_size: Any) -> int | None:
+    """How many envs the learner steps itself: from 0 to ``num_envs - 1`` (the workers keep at least one).
 
-
-def check_learner_envs(learner_envs: Any, num_envs: int, batch_size: Any) -> int:
-    """How many envs the learner steps itself: from 0 to ``num_envs - 1`` (the workers keep at least one)."""
+    ``None``: the default layout decides (:mod:`clusterenv.learner.layout`).
+    """
+    if learner_envs is None:
+        return None
     value = _integer("learner_envs", learner_envs)
     if not 0 <= value < num_envs:
         raise ValueError(

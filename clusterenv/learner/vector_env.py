@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import gymnasium
@@ -14,14 +16,17 @@ from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, Res
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.async_vector_env import AsyncState
 
-from clusterenv.launch.launchers import Launcher
+from clusterenv.cores import usable_cores
+from clusterenv.launch.launchers import Launcher, LocalLauncher, resolve_launcher
 from clusterenv.learner.building import build_envs, envs_served
 from clusterenv.learner.call_state import CallState
 from clusterenv.learner.cuts import Cut
 from clusterenv.learner.env_calls import EnvCalls
 from clusterenv.learner.first_ready import FirstReady, Ready
+from clusterenv.learner.layout import Layout, choose_layout, workers_only_layout
+from clusterenv.learner.layout_hint import LayoutHint, measured_costs
 from clusterenv.learner.lockstep import Lockstep
-from clusterenv.learner.own_envs import LearnerEnvs
+from clusterenv.learner.own_envs import LearnerEnvs, UnitsInLearnerShare
 from clusterenv.learner.pool import Command, FollowUp, OnLoss, WorkerPool, weak_callback
 from clusterenv.learner.recycling import Recycle, Recycler
 from clusterenv.learner.step_buffers import WORKER_RESTARTED_KEY, BatchBuffers, report_cuts
@@ -46,7 +51,6 @@ from clusterenv.learner.validation import (
     check_seconds,
     check_seeds,
     check_spin_us,
-    default_num_workers,
     pickle_env_fn,
 )
 from clusterenv.wire.codecs import check_codec
@@ -62,6 +66,22 @@ __all__ = ["WORKER_RESTARTED_KEY", "ClusterEnv"]
 
 logger = logging.getLogger(__name__)
 
+_FIRST_READY = "first-ready batches (async_reset/send/recv)"
+
+
+@dataclass(frozen=True)
+class _StartWith:
+    """What starting the workers and building the envs takes, checked once (kept for a move of the envs)."""
+
+    pickled_fns: list[bytes]
+    autoreset_mode: AutoresetMode | None
+    spin_us: float | None
+    start_timeout: float
+    min_workers: int
+    batch_size: int | None
+    recycle: Recycle | None
+    pool_kwargs: dict[str, Any]
+
 
 class ClusterEnv(VectorEnv):
     """A vector env whose ``reset``/``step`` run in worker processes.
@@ -73,7 +93,7 @@ class ClusterEnv(VectorEnv):
     Examples:
         >>> import gymnasium as gym
         >>> from clusterenv import ClusterEnv
-        >>> envs = ClusterEnv([lambda: gym.make("CartPole-v1")] * 4, num_workers=2)
+        >>> envs = ClusterEnv([lambda: gym.make("CartPole-v1")] * 4)
         >>> obs, infos = envs.reset(seed=42)
         >>> obs.shape
         (4, 4)
@@ -106,7 +126,7 @@ class ClusterEnv(VectorEnv):
         compression: str | None = "lz4",
         recycle: Recycle | None = None,
         spin_us: float | None = None,
-        learner_envs: int = 0,
+        learner_envs: int | None = None,
     ) -> None:
         """Start the workers and build the envs in them.
 
@@ -115,8 +135,12 @@ class ClusterEnv(VectorEnv):
                 callable may create a vector env instead (EnvPool, SuperSuit, a ``SyncVectorEnv``): a
                 *unit*, which fills as many slots as it has envs, stepped whole by one worker
                 (docs/guides/units.md). ``num_envs`` and the spaces are then what the units report.
-            num_workers: worker processes; defaults to one per available core, at most ``len(env_fns)``.
-                Each worker is one peer of the learner.
+            num_workers: worker processes, each one peer of the learner. With neither ``num_workers``
+                nor ``learner_envs`` given, the default layout decides both (:mod:`clusterenv.learner.layout`):
+                with local workers, one per usable core but one, the learner stepping one worker's
+                share of the envs itself; one per usable core where the learner cannot step envs
+                (remote workers, ``batch_size``, ``"rehome"``, units). ``repr(envs)`` and
+                ``learner_info["layout"]`` say what it chose and why.
             procs_per_worker: env processes per worker. With ``N > 1`` each worker splits its
                 slice over ``min(N, slice size)`` child processes that step in parallel, so one
                 worker per host can use all its cores while the learner talks to one peer per
@@ -169,92 +193,132 @@ class ClusterEnv(VectorEnv):
                 slow links (docs/guides/multi-node.md). ``ipc://`` never compresses.
             recycle: replace a worker's process after so many env steps or past a memory bound, between
                 steps (:class:`~clusterenv.learner.recycling.Recycle`; local workers; docs/guides/flaky-envs.md).
+                The default layout then keeps every env in a worker: the learner's own are never recycled.
             spin_us: on the shared step path, how long the learner waiting for a reply, and a worker
                 waiting for its next command, read the other's words in a loop before they block,
-                in µs. ``None`` (default): adapted to how long recent waits took (up to 1 ms), where
-                the learner and every local worker have a core each (else nobody spins); ``0``:
-                never; a number: that bound, within the same rule (docs/guides/dropin.md).
+                in µs. ``None`` (default): adapted to how long recent waits took (up to 1 ms, none
+                once waits outlast that), where the learner and every local worker have a core each,
+                counting the spinning workers of every ClusterEnv in this process (else this env's
+                block); ``0``: never; a number: that bound, within the same rule (docs/guides/dropin.md).
             learner_envs: the first ``learner_envs`` envs are stepped by the learner itself, in its
-                own process, while the workers step theirs (envs whose step costs less than waking
-                a process). No process isolation for them: a crash in one is a crash of the
-                learner, an exception follows ``on_env_error``; recycling, usage reports and
-                timeouts do not apply to them. Lockstep ``reset``/``step`` and attribute calls
-                only: not with first-ready batches or a ``PolicyRunner`` (docs/guides/dropin.md).
+                own process, while the workers step theirs. ``None`` (default): the default layout
+                decides (with local lockstep workers, one worker's share; see ``num_workers``); ``0``:
+                every env in a worker. The learner's envs behave as a worker's (the same
+                ``RemoteEnvError``, ``on_env_error``, warnings shown and never raised, call results
+                copied) but have no process of their own: an env that kills its process (a segfault,
+                ``os._exit``) kills the learner, and recycling, usage reports, ``timeout`` and worker
+                recovery do not apply to them. The default layout's share moves to the workers once
+                when a ``PolicyRunner`` or first-ready batches start (:meth:`place_every_env_in_workers`);
+                a share given here refuses them (docs/guides/dropin.md, "The default layout").
         """
         super().__init__()
         self._call = CallState()
         self.closed = True  # until the workers are up, close() has nothing to do
         check_env_fns(env_fns)
-        self.num_envs = len(env_fns)  # until the workers report how many envs each entry made (units)
-        self.learner_envs = own = check_learner_envs(learner_envs, self.num_envs, batch_size)
-        if num_workers is None:
-            num_workers = default_num_workers(self.num_envs - own, learner_busy=own > 0)
-        self.num_workers = num_workers = check_num_workers(num_workers, self.num_envs - own)
+        self.num_envs = entries = len(env_fns)  # until the workers report how many envs each entry made (units)
+        own_given = check_learner_envs(learner_envs, entries, batch_size)
+        if num_workers is not None:
+            check_num_workers(num_workers, entries - (own_given or 0))
         self.procs_per_worker = check_procs_per_worker(procs_per_worker)
-        asked_mode = check_autoreset_mode(autoreset_mode)
-        observation_mode = check_observation_mode(observation_mode)
         self.copy = copy
         self.shared_memory = check_flag("shared_memory", shared_memory)
-        spin_us = check_spin_us(spin_us)
         self.timeout = check_seconds("timeout", timeout, allow_none=True)
-        start_timeout = check_seconds("start_timeout", start_timeout, allow_none=False)
         self.on_worker_failure = check_choice("on_worker_failure", on_worker_failure, ["raise", "restart", "rehome"])
         self.on_env_error = check_choice("on_env_error", on_env_error, ["raise", "reset"])
-        self._max_env_errors = check_count("max_env_errors", max_env_errors) if on_env_error == "reset" else None
-        min_workers = check_min_workers(min_workers, num_workers)
         self.heartbeat = Heartbeat() if heartbeat is None else heartbeat
-        pickled_fns = [pickle_env_fn(i, fn) for i, fn in enumerate(env_fns)]
+        max_errors = check_count("max_env_errors", max_env_errors) if on_env_error == "reset" else None
+        self._max_env_errors = max_errors
+        self._observation_mode = observation_mode = check_observation_mode(observation_mode)
+        launcher = resolve_launcher(launcher)
+        self._start_with = _StartWith(
+            pickled_fns=[pickle_env_fn(i, fn) for i, fn in enumerate(env_fns)],
+            autoreset_mode=check_autoreset_mode(autoreset_mode),
+            spin_us=check_spin_us(spin_us),
+            start_timeout=check_seconds("start_timeout", start_timeout, allow_none=False),
+            min_workers=min_workers,
+            batch_size=batch_size,
+            recycle=recycle,
+            pool_kwargs={
+                "bind": bind,
+                "secret": secret,
+                "launcher": launcher,
+                "heartbeat": self.heartbeat,
+                "on_worker_failure": on_worker_failure,
+                "trusted_classes": trusted_classes,
+                "encrypt": encrypt,
+                "compression": check_codec(compression),
+            },
+        )
+        self._layout_choice = functools.partial(
+            choose_layout,
+            entries,
+            usable_cores(),
+            num_workers=num_workers,
+            learner_envs=own_given,
+            local=isinstance(launcher, LocalLauncher),
+            first_ready=batch_size is not None,
+            replaces_workers=on_worker_failure != "raise" or recycle is not None,
+            procs_per_worker=self.procs_per_worker,
+        )
+        self._start(self._layout_choice())
 
+    def _start(self, layout: Layout) -> None:
+        """Start the workers of ``layout`` and build the envs: the learner's own share, then the workers'."""
+        given = self._start_with
+        entries = len(given.pickled_fns)
+        self._own: LearnerEnvs | None = None
+        self._lockstep: Lockstep | None = None
+        if layout.learner_envs:
+            try:
+                self._own = self._learner_share(layout.learner_envs)
+            except UnitsInLearnerShare:
+                if not layout.by_default:
+                    raise
+                layout = self._layout_choice(units=True)
+        self.layout = layout
+        self.learner_envs = own = layout.learner_envs
+        self.num_workers = num_workers = check_num_workers(layout.num_workers, entries - own)
+        min_workers = check_min_workers(given.min_workers, num_workers)
         # Of entries, until the envs are built; the workers' follow the learner's own.
-        self._slices = [slice(own + sl.start, own + sl.stop) for sl in split_evenly(self.num_envs - own, num_workers)]
-        self._units = [slice(i, i + 1) for i in range(self.num_envs)]
+        self._slices = [slice(own + sl.start, own + sl.stop) for sl in split_evenly(entries - own, num_workers)]
+        self._units = [slice(i, i + 1) for i in range(entries)]
         self._batch_size = self.num_envs  # checked once the envs are built: units decide the workers' shares
         self._first_ready = FirstReady(self._slices, self.num_envs)
-        self._observation_mode = observation_mode
-
-        self._pool = WorkerPool(
-            num_workers,
-            bind=bind,
-            secret=secret,
-            launcher=launcher,
-            heartbeat=self.heartbeat,
-            on_worker_failure=on_worker_failure,
-            start_timeout=start_timeout,
-            min_workers=min_workers,
-            env_counts=[sl.stop - sl.start for sl in self._slices],
-            describe_work=lambda w: f"envs {self._slices[w].start}..{self._slices[w].stop - 1}",
-            trusted_classes=trusted_classes,
-            encrypt=encrypt,
-            compression=check_codec(compression),
-        )
+        try:
+            self._pool = WorkerPool(
+                num_workers,
+                start_timeout=given.start_timeout,
+                min_workers=min_workers,
+                env_counts=[sl.stop - sl.start for sl in self._slices],
+                describe_work=lambda w: f"envs {self._slices[w].start}..{self._slices[w].stop - 1}",
+                **given.pool_kwargs,
+            )
+        except BaseException:
+            if self._own is not None:
+                self._own.close()
+            raise
         # Weak: the pool must not keep the env alive (its finalizer ends the workers).
         self._pool.on_fatal = weak_callback(self._close_after_error)
         self.address = self._pool.address
         self._needs_reset = True
         self.closed = False
-        self._own: LearnerEnvs | None = None
-        self._lockstep: Lockstep | None = None
         try:
-            self._recycler = None if recycle is None else Recycler(recycle, self._pool)
-            if own:
-                single = observation_mode[1] if isinstance(observation_mode, tuple) else observation_mode
-                own_mode = AutoresetMode.NEXT_STEP if asked_mode is None else asked_mode  # single envs' mode
-                self._own = LearnerEnvs(pickled_fns[:own], single, own_mode, self._max_env_errors)
+            self._recycler = None if given.recycle is None else Recycler(given.recycle, self._pool)
             self._pool.start()
             built = build_envs(
                 self._pool,
                 self._slices,
-                pickled_fns,
-                autoreset_mode=asked_mode,
-                observation_mode=observation_mode,
+                given.pickled_fns,
+                autoreset_mode=given.autoreset_mode,
+                observation_mode=self._observation_mode,
                 procs_per_worker=self.procs_per_worker,
                 max_env_errors=self._max_env_errors,
                 shared_memory=self.shared_memory,
-                spin_us=spin_us,
-                timeout=start_timeout,
+                spin_us=given.spin_us,
+                timeout=given.start_timeout,
                 own=self._own,
             )
-            self._place_units(built.slices, built.units, batch_size)
+            self._place_units(built.slices, built.units, given.batch_size)
         except BaseException:
             self.close(terminate=True)
             raise
@@ -268,6 +332,8 @@ class ClusterEnv(VectorEnv):
         self._buffers = built.buffers
         self._action_specs = leaf_specs(self.single_action_space) if is_array_tree(self.single_action_space) else None
         self._pool.on_restart(weak_callback(self._reset_replacement_in_flight))
+        local = isinstance(self._start_with.pool_kwargs["launcher"], LocalLauncher)
+        self._hint = None if layout.by_default or not local else LayoutHint(layout, self.num_envs, usable_cores())
         if self._pool.step_path is not None and self._action_specs is not None:
             self._lockstep = Lockstep(
                 self._pool,
@@ -278,8 +344,52 @@ class ClusterEnv(VectorEnv):
                 self._env_calls,
                 self.single_action_space,
                 self._action_specs,
-                copy,
+                self.copy,
             )
+
+    def _learner_share(self, count: int) -> LearnerEnvs:
+        """Build envs ``0..count-1`` in this process, as the workers build theirs."""
+        mode = self._observation_mode
+        single = mode[1] if isinstance(mode, tuple) else mode
+        asked = self._start_with.autoreset_mode
+        own_mode = AutoresetMode.NEXT_STEP if asked is None else asked  # single envs' mode
+        return LearnerEnvs(self._start_with.pickled_fns[:count], single, own_mode, self._max_env_errors)
+
+    def place_every_env_in_workers(self, mode: str) -> None:
+        """Move the envs the learner steps to the workers, for ``mode``, which needs every env in a worker.
+
+        A ``PolicyRunner`` (the workers act) and first-ready batches (whole workers come back as
+        they are ready) call this before they start. Only the default layout moves: it put a share
+        of the envs in the learner because nothing then asked for such a mode. The workers are
+        started anew with every env, which needs a reset afterwards (``needs_reset``); an explicit
+        ``learner_envs`` raises instead.
+
+        Args:
+            mode: what needs it, for the error and the layout's reason (``"a PolicyRunner"``).
+        """
+        if self._own is None:
+            return
+        if not self.layout.by_default:
+            raise ValueError(
+                f"{mode[0].upper()}{mode[1:]}: every env must be in a worker, but the learner steps "
+                f"{self.learner_envs} envs itself (`learner_envs={self.learner_envs}`): use `learner_envs=0`."
+            )
+        self._assert_is_running()
+        if self._call.state is not AsyncState.DEFAULT:
+            raise AlreadyPendingCallError(
+                f"Cannot move the envs to the workers for {mode} while a call to `{self._call.state.value}` is "
+                "pending.",
+                self._call.state.value,
+            )
+        was_reset, moved = not self._needs_reset, self.learner_envs
+        self.close_extras(terminate=False)
+        self._start(workers_only_layout(self.layout, len(self._start_with.pickled_fns), usable_cores(), mode))
+        logger.info(
+            "%s: every env must be in a worker; the %d envs the learner stepped moved to the workers%s.",
+            mode[0].upper() + mode[1:],
+            moved,
+            "; the episodes in progress ended, and the envs need a reset" if was_reset else "",
+        )
 
     def _place_units(self, slices: list[slice], units: list[slice], batch_size: int | None) -> None:
         """The envs' slices, once the workers reported how many envs each entry of ``env_fns`` made."""
@@ -334,7 +444,8 @@ class ClusterEnv(VectorEnv):
         if self._own is not None:
             raise ValueError(
                 "Extensions such as PolicyRunner talk to the workers through their pool, which cannot reach the "
-                f"{self.learner_envs} envs the learner steps itself (`learner_envs`): use `learner_envs=0` with them."
+                f"{self.learner_envs} envs the learner steps itself (`learner_envs`): call "
+                "place_every_env_in_workers() first, or use `learner_envs=0`."
             )
         self._begin(AsyncState.WAITING_CALL, "pending_call")
         with self._call.held(AsyncState.WAITING_CALL, holder):
@@ -445,11 +556,20 @@ class ClusterEnv(VectorEnv):
         if lockstep is not None and self._recycler is None and not self.closed and not self._needs_reset:
             result = lockstep.step(actions, self._run_own)
             if isinstance(result, tuple):
+                if self._hint is not None:
+                    self._look_at_layout()
                 return result
             if result is None:  # started, and left to the pool's receive loop
                 return self.step_wait()
         self.step_async(actions)  # not a lockstep step (NOT_LOCKSTEP): the general path
         return self.step_wait()
+
+    def _look_at_layout(self) -> None:
+        """Count a lockstep step for the layout hint (a layout the user gave only), which may look at the costs."""
+        assert self._hint is not None
+        self._hint.step(lambda: measured_costs(self.learner_info, self.worker_info))
+        if self._hint.done:
+            self._hint = None
 
     def step_async(self, actions: Any) -> None:
         """Send the actions to the workers without waiting for the results (:meth:`step_wait` returns them).
@@ -527,7 +647,8 @@ class ClusterEnv(VectorEnv):
             seed: as for :meth:`reset`.
             options: passed to every env's ``reset`` (no ``reset_mask``: every env is reset).
         """
-        check_first_ready(self._observation_mode, self.autoreset_mode, self.learner_envs)
+        self.place_every_env_in_workers(_FIRST_READY)
+        check_first_ready(self._observation_mode, self.autoreset_mode)
         if options is not None and "reset_mask" in options:
             raise ValueError("async_reset() resets every env; `options['reset_mask']` is for reset().")
         self.reset_async(seed=seed, options=options)
@@ -542,7 +663,8 @@ class ClusterEnv(VectorEnv):
             env_ids: the envs to step: whole workers' envs, as :meth:`recv` returned them.
         """
         self._assert_is_running()
-        check_first_ready(self._observation_mode, learner_envs=self.learner_envs)
+        self.place_every_env_in_workers(_FIRST_READY)
+        check_first_ready(self._observation_mode)
         if self._needs_reset:
             raise ResetNeeded("Cannot call `send` before a reset: call async_reset() (or reset()) first.")
         if self._action_specs is None:
@@ -773,11 +895,13 @@ class ClusterEnv(VectorEnv):
     def learner_info(self) -> dict[str, Any]:
         """Per batch step, the learner's own time against its time waiting for workers (fault-tolerance guide).
 
+        ``learner_envs`` is how many envs the learner steps itself, and ``layout`` why: the
+        default rule's reasoning, or the arguments given (:mod:`clusterenv.learner.layout`).
         With workers on the shared step path, also how the learner waits for them: ``spin``
         (``"adaptive"``, ``"fixed"`` or ``"never"``), ``spin_us`` (the bound now), ``spin_rule``
         (why), and how many ``waits`` ended while spinning (``caught_spinning``).
         """
-        return {**self._pool.learner_info, "learner_envs": self.learner_envs}
+        return {**self._pool.learner_info, "learner_envs": self.learner_envs, "layout": self.layout.reason}
 
     def __enter__(self) -> ClusterEnv:
         return self
@@ -786,8 +910,10 @@ class ClusterEnv(VectorEnv):
         self.close()
 
     def __repr__(self) -> str:
-        """``ClusterEnv(CartPole-v1, num_envs=8, num_workers=2)``, with ``procs_per_worker`` when not 1."""
+        """``ClusterEnv(CartPole-v1, num_envs=8, num_workers=1, learner_envs=4: <why the default layout chose it>)``."""
         name = "" if self.spec is None else f"{self.spec.id}, "
         procs = "" if self.procs_per_worker == 1 else f", procs_per_worker={self.procs_per_worker}"
         own = f", learner_envs={self.learner_envs}" if self.learner_envs else ""
-        return f"{type(self).__name__}({name}num_envs={self.num_envs}, num_workers={self.num_workers}{procs}{own})"
+        layout = self.__dict__.get("layout")  # none while the envs are being built
+        why = f": {layout.reason}" if layout is not None and layout.by_default else ""
+        return f"{type(self).__name__}({name}num_envs={self.num_envs}, num_workers={self.num_workers}{procs}{own}{why})"
