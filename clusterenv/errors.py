@@ -3,8 +3,9 @@
 The tree, so that callers can catch as broadly or narrowly as they need::
 
     ClusterEnvError
-    ├── RemoteEnvError        an environment raised inside a worker (remote traceback attached);
-    │                         each instance is also of the original exception's type
+    ├── RemoteEnvError        an environment raised inside a worker, or in the learner's own share
+    │                         (``learner_envs``), traceback attached; each instance is also of the
+    │                         original exception's type
     ├── WorkerLostError       a worker process died or stopped answering heartbeats
     ├── WorkerTimeoutError    a reply did not arrive within ``timeout`` (also a ``TimeoutError``
     │                         and a ``multiprocessing.TimeoutError``, as ``AsyncVectorEnv`` raises)
@@ -44,19 +45,21 @@ class ClusterEnvError(Exception):
 
 
 class RemoteEnvError(ClusterEnvError):
-    """An environment raised inside a worker.
+    """An environment raised inside a worker, or among the envs the learner steps itself (``learner_envs``).
 
     What is raised is an instance of a subclass of both ``RemoteEnvError`` and the original
     exception's type (see :func:`remote_error_type`), as Ray's ``RayTaskError`` does, so that
     ``except ValueError`` catches a ``ValueError`` raised by a remote env exactly as it
     would with ``SyncVectorEnv``, and ``except RemoteEnvError`` catches every remote error.
-    The original exception, when it could be pickled, is attached as ``__cause__``.
+    The original exception, when it could be pickled, is attached as ``__cause__``. An env the
+    learner steps itself raises the very same error, built from the same captured text and
+    pickled exception, so that where an env runs changes nothing.
 
     Attributes:
         env_index: the global index of the env that raised (``None``: not known).
-        worker_id: the worker that ran it.
+        worker_id: the worker that ran it (``None``: the learner itself, ``learner_envs``).
         exc_type: the name of the original exception's type.
-        remote_traceback: the traceback, formatted in the worker.
+        remote_traceback: the traceback, formatted where the env raised.
     """
 
     def __init__(
@@ -64,7 +67,7 @@ class RemoteEnvError(ClusterEnvError):
         message: str,
         *,
         env_index: int | None,
-        worker_id: int,
+        worker_id: int | None,
         exc_type: str,
         remote_traceback: str,
     ) -> None:

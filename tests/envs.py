@@ -419,6 +419,11 @@ def make_after_registering(max_episode_steps: int = 5) -> gym.Env:
     return gym.make(SELF_REGISTERED_ID)
 
 
+def make_without_return() -> None:
+    """A factory whose ``return`` is missing: it makes a CartPole and returns ``None``."""
+    gym.make("CartPole-v1")
+
+
 class NoOptionsEnv(gym.Env):
     """An env written before Gymnasium 0.26 added ``options``: ``reset(self, seed=None)``.
 
@@ -812,3 +817,31 @@ class ResizingCartPole(gym.Wrapper):
                     with open(self.log, "a") as f:
                         f.write(f"{size} {outcome}\n")
         return self.env.step(action)
+
+
+class WarningEnv(gym.Env):
+    """Warns as it is built (a Box whose bounds lose precision, as Stable-Baselines3's test envs' do), and at each step.
+
+    Its ``shout()`` method warns too, for attribute calls. ``loud=False``: the same env, silent.
+    """
+
+    action_space = spaces.Discrete(2)
+
+    def __init__(self, loud: bool = True) -> None:
+        bound = np.full(2, 1.1, dtype=np.float64 if loud else np.float32)
+        self.observation_space = spaces.Box(-bound, bound, dtype=np.float32)
+        self.loud = loud
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        if self.loud:
+            warnings.warn("WarningEnv stepped", UserWarning, stacklevel=1)
+        return np.zeros(2, np.float32), 0.0, False, False, {}
+
+    def shout(self) -> str:
+        if self.loud:
+            warnings.warn("WarningEnv called", RuntimeWarning, stacklevel=1)
+        return "shouted"

@@ -114,7 +114,7 @@ class EnvCalls:
         by_worker = self._by_worker(by_part(indices, self.parts))
         own_indices = by_worker.pop(OWN, _NONE)
         # The learner's own envs answer first: an error of theirs is raised before any worker is asked.
-        self._own_results = None if own_indices is _NONE else self._own_envs().call(own_indices, name, args, kwargs)
+        self._own_results = None if own_indices is _NONE else self._own_envs().call(own_indices, name, blob)
         commands: dict[int, Command] = {
             w: (CallMeta(name=name, indices=local), (), [blob]) for w, local in by_worker.items()
         }
@@ -136,13 +136,14 @@ class EnvCalls:
         ``values`` are checked (:func:`~clusterenv.wire.contract.per_env_values`).
         """
         by_worker = self._by_worker(values_by_part(chosen, self.parts, values))
+        what = f"values of set_attr({name!r})"
         own = by_worker.pop(OWN, _NONE)
-        if own is not _NONE:  # first, as for a call
-            self._own_envs().set_attr(own[0], name, own[1])
-        commands: dict[int, Command] = {}
-        for w, (local, mine) in by_worker.items():
-            blob = pickle_argument(mine, f"values of set_attr({name!r})")
-            commands[w] = (CallMeta(name=name, indices=local), (), [blob])
+        commands: dict[int, Command] = {
+            w: (CallMeta(name=name, indices=local), (), [pickle_argument(mine, what)])
+            for w, (local, mine) in by_worker.items()
+        }
+        if own is not _NONE:  # once every value pickled; first, as for a call; pickled as the workers' values are
+            self._own_envs().set_attr(own[0], name, pickle_argument(own[1], what))
         self._pool.send_each(Kind.SET_ATTR, commands, OnLoss.REPLAY)
         return list(commands)
 

@@ -7,9 +7,15 @@ their replies. They are stepped as a worker steps its slice
 ``SyncVectorEnv`` code, infos recorded per env), and their results are read like a worker's
 reply, so every autoreset mode, seed and info is exactly what ``SyncVectorEnv`` returns.
 
+Everything else a worker's envs do, these do too (:class:`~clusterenv.learner.worker_like.WorkerLike`):
+an exception of theirs follows ``on_env_error`` and is raised as the same ``RemoteEnvError``,
+their warnings are filtered as in a worker process (shown, never raised into the training
+loop), and what ``call``, ``get_attr`` and ``apply`` return, and what they and ``set_attr``
+are given, goes through the same pickling round trip, so that it is a copy.
+
 The trade-off: these envs have no process of their own. A crash in one (a segfault in a
-simulator) is a crash of the learner; an exception follows ``on_env_error`` as in a worker;
-recycling, usage reports and timeouts do not apply to them.
+simulator, ``os._exit``) is a crash of the learner, as with ``SyncVectorEnv``; recycling,
+usage reports and timeouts do not apply to them.
 """
 
 from __future__ import annotations
@@ -18,16 +24,22 @@ import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import cloudpickle
 import numpy as np
 from gymnasium.vector import AutoresetMode, VectorEnv
 
+from clusterenv.learner.worker_like import WorkerLike
 from clusterenv.stepping.failures import EnvTracker
 from clusterenv.stepping.recording_env import RecordingVectorEnv, build_from, make_envs, reset_envs
 from clusterenv.wire.infos import pack_infos
 from clusterenv.wire.leaves import is_array_tree, leaf_arrays, unflatten
 from clusterenv.wire.protocol import Kind, Message
 
-__all__ = ["LearnerEnvs"]
+__all__ = ["LearnerEnvs", "UnitsInLearnerShare"]
+
+
+class UnitsInLearnerShare(ValueError):
+    """An entry of the learner's share makes a vector env (a unit): the learner steps single envs only."""
 
 
 class LearnerEnvs:
@@ -51,20 +63,25 @@ class LearnerEnvs:
     ) -> None:
         #: The envs' global indices.
         self.slice = slice(0, len(pickled_fns))
-        env_fns = [pickle.loads(blob) for blob in pickled_fns]
         tracker = EnvTracker()
-        made = make_envs(env_fns, tracker)
+        # Their code runs as a worker's: its warnings filtered as there, its errors raised as a worker's.
+        self._env_code = WorkerLike(tracker)
+        with self._env_code.doing("building envs"):
+            env_fns = [pickle.loads(blob) for blob in pickled_fns]
+            made = make_envs(env_fns, tracker)
         units = [i for i, env in enumerate(made) if isinstance(env, VectorEnv)]
         if units:
             for env in made:
                 env.close()
-            raise ValueError(
+            raise UnitsInLearnerShare(
                 f"`learner_envs` steps single envs in the learner, but entries {units} of `env_fns` make vector "
                 "envs (units): give the learner single envs only, or use `learner_envs=0`."
             )
-        self.envs: RecordingVectorEnv = build_from(
-            env_fns, made, observation_mode, autoreset_mode, tracker, max_env_errors
-        )
+        with self._env_code.doing("building envs"):
+            self.envs: RecordingVectorEnv = build_from(
+                env_fns, made, observation_mode, autoreset_mode, tracker, max_env_errors
+            )
+        self._env_code.misfit = self.envs.misfit_observation
         self._array_obs = is_array_tree(self.envs.single_observation_space)
         self.envs.samples_steps = False  # nothing reports their step times (no usage reports, no recycling)
         self._fields: list[np.ndarray] = []  # their rows of the batch's step fields (write_into)
@@ -111,7 +128,11 @@ class LearnerEnvs:
         """Run their part of the call in progress if it has not started; the reply waits for :meth:`take_reply`."""
         call, self._call = self._call, None
         if call is not None:
-            self._pending_reply = call()
+            try:
+                self._pending_reply = call()
+            except BaseException:
+                self.envs.info_log = []  # cut short (Ctrl-C, an error): the infos it recorded are nobody's
+                raise
 
     def take_reply(self) -> Message:
         """Their reply to the call in progress, collected once.
@@ -129,17 +150,22 @@ class LearnerEnvs:
 
     def reset(self, seeds: list[int | None] | None, options: Any, mask: list[bool] | None) -> Message:
         """Reset them (those in ``mask``, if any): a reply as a worker's, its observations in the batch already."""
-        obs = reset_envs(self.envs, seeds, options, mask)
+        with self._env_code.doing("resetting"):
+            obs = reset_envs(self.envs, seeds, options, mask)
         return self._reply(obs, [])
 
     def step(self, actions: Any) -> Message:
         """Step them with their ``actions`` (batched, as their vector env takes them): results in the batch, a reply."""
-        obs, rewards, terminations, truncations, _ = self.envs.step(actions)
         fields = self._fields
-        fields[0][...], fields[1][...], fields[2][...] = rewards, terminations, truncations
+        with self._env_code.doing("stepping"):
+            obs = self.envs.step_into(actions, *fields)
         if self._step_reply is not None and not self.envs.info_log:
             return self._step_reply
         return self._reply(obs, fields)
+
+    def took(self, reply: Message) -> bool:
+        """Whether ``reply`` (theirs) is the kept reply of a step without infos: all in the batch already."""
+        return reply is self._step_reply
 
     def _reply(self, obs: Any, step_fields: list[np.ndarray]) -> Message:
         """What a worker would have replied, read by the batch as a worker's reply is."""
@@ -151,16 +177,27 @@ class LearnerEnvs:
         blobs = [b""] if self._array_obs else [b"", pickle.dumps(self.envs.env_observations())]
         return Message(Kind.RESULT, {}, step_fields, blobs, infos)
 
-    def call(self, indices: list[int] | None, name: str | None, args: tuple, kwargs: dict[str, Any]) -> list[Any]:
-        """``call``/``get_attr``/``apply`` on the envs ``indices`` (their own indices; ``None``: all)."""
-        return self.envs.call_at(indices, name, args, kwargs)
+    def call(self, indices: list[int] | None, name: str | None, arguments: bytes) -> list[Any]:
+        """``call``/``get_attr``/``apply`` on the envs ``indices`` (their own indices; ``None``: all).
 
-    def set_attr(self, indices: list[int] | None, name: str, values: list[Any]) -> None:
-        """``set_attr`` on the envs ``indices`` (their own indices; ``None``: all), one value each."""
-        self.envs.set_attr_at(indices, name, values)
+        As a worker answers it: ``arguments`` is the pickled ``(args, kwargs)`` sent to the workers,
+        and the results are pickled and unpickled, so that neither side holds the other's objects.
+        """
+        with self._env_code.doing("calling"):
+            args, kwargs = pickle.loads(arguments)
+            return pickle.loads(cloudpickle.dumps(self.envs.call_at(indices, name, args, kwargs)))
+
+    def set_attr(self, indices: list[int] | None, name: str, values: bytes) -> None:
+        """``set_attr`` on the envs ``indices`` (their own indices; ``None``: all), one of the pickled ``values`` each.
+
+        Pickled as the workers' values are: the envs hold copies of the caller's objects.
+        """
+        with self._env_code.doing("setting attributes"):
+            self.envs.set_attr_at(indices, name, list(pickle.loads(values)))
 
     def close(self) -> None:
         """Close the envs (and let go of the learner's batch, which may be the step region)."""
-        self.envs.close()
+        with self._env_code.doing("closing envs"):
+            self.envs.close()
         self.envs.observe_into(None)
         self._fields, self._step_reply = [], None

@@ -203,8 +203,12 @@ class Recovery:
         )
 
 
-def remote_error(worker_id: int, msg: Message, doing: str, loads: Callable[[bytes], Any]) -> RemoteEnvError:
-    """The ``RemoteEnvError`` (also of the original exception's type, where it can be rebuilt) for an ERROR reply."""
+def remote_error(worker_id: int | None, msg: Message, doing: str, loads: Callable[[bytes], Any]) -> RemoteEnvError:
+    """The ``RemoteEnvError`` (also of the original exception's type, where it can be rebuilt) for an ERROR reply.
+
+    ``worker_id``: the worker that sent it; ``None``: the learner's own envs (``learner_envs``), whose
+    errors are encoded as a worker's (:mod:`clusterenv.learner.worker_like`).
+    """
     meta = meta_of(msg, ErrorMeta)
     cause: BaseException | None = None
     if msg.blobs:
@@ -214,9 +218,9 @@ def remote_error(worker_id: int, msg: Message, doing: str, loads: Callable[[byte
             logger.debug("Could not unpickle the remote exception: %s", exc)
     original = type(cause) if isinstance(cause, BaseException) else builtin_exception_type(meta["exc_type"])
     where = f"env {meta['env_index']}" if meta["env_index"] is not None else "an env"
+    where += " in the learner" if worker_id is None else f" on worker {worker_id}"
     error = remote_error_type(original)(
-        f"{where} on worker {worker_id} raised {meta['exc_type']} while {doing}: {meta['message']}\n\n"
-        f"Remote traceback:\n{meta['traceback']}",
+        f"{where} raised {meta['exc_type']} while {doing}: {meta['message']}\n\nRemote traceback:\n{meta['traceback']}",
         env_index=meta["env_index"],
         worker_id=worker_id,
         exc_type=meta["exc_type"],
