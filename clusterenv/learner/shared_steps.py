@@ -51,7 +51,7 @@ from clusterenv.wire.step_region import (
     MESSAGES as MESSAGES_SENT,
 )
 from clusterenv.wire.transport import Channel
-from clusterenv.wire.waiting import SpinBudget, spinners_fit, yield_core
+from clusterenv.wire.waiting import SPIN_SEATS, SpinBudget, yield_core
 
 __all__ = ["NOT_YET", "SHARED_MEMORY", "MESSAGES", "SharedSteps"]
 
@@ -77,8 +77,9 @@ class SharedSteps:
         channel: the pool's channel (wake sockets, passing the region's file).
         members: who serves which worker (only a worker served by its own process is on the path).
         timeout: seconds a worker has to map the region.
-        spin_us: how long each side spins before it blocks, in µs (``0``: never; ``None``: adapted,
-            where the learner and every local worker have a core each; see :mod:`clusterenv.wire.waiting`).
+        spin_us: how long each side spins before it blocks, in µs (``0``: never; ``None``: adapted), where
+            the learner and every local worker have a core each, beside those of every other ClusterEnv
+            in this process (:data:`~clusterenv.wire.waiting.SPIN_SEATS`); else neither side spins.
     """
 
     def __init__(
@@ -95,13 +96,16 @@ class SharedSteps:
         self._members = members
         #: The workers on the path now.
         self.on_path: set[int] = set()
-        # Spinning needs a core per spinner: the learner and each worker offered the path.
-        spinners = len(region.slices) + 1
-        if spin_us != 0 and not spinners_fit(spinners):  # a rule for any bound, the default's and a user's
-            spin_us = 0.0
-            self.spin_reason = f"{spinners} spinning processes would not fit in this process's cores: all block"
+        # Spinning needs a core per spinner: this process once, and each worker offered the path, of every
+        # ClusterEnv in this process. A rule for any bound, the default's and a user's.
+        self._seats = seats = SPIN_SEATS.claim(len(region.slices)) if spin_us != 0 else None
+        if seats is None:
+            self.spin_reason = "set by `spin_us`"
+        elif not seats.granted:
+            spin_us = 0.0  # what the workers are told too: they block
+            self.spin_reason = seats.reason
         else:
-            self.spin_reason = "set by `spin_us`" if spin_us is not None else "every spinning process has a core"
+            self.spin_reason = seats.reason if spin_us is None else "set by `spin_us`"
         self._spin_us = spin_us
         #: How long the learner spins for a reply before it blocks.
         self.spin = SpinBudget(None if spin_us is None else spin_us * 1e-6)
@@ -353,13 +357,13 @@ class SharedSteps:
             return True
         spin = self.spin
         clock = time.perf_counter
-        started = clock()
+        started = spin.begin()
         bound = spin.bound()
         if bound > 0:
             deadline, polls = started + bound, 0
             while True:
                 if _answered(words, counter):
-                    spin.observe(clock() - started, caught=True)
+                    spin.end(caught=True)
                     return True
                 polls += 1
                 if polls % _POLLS_PER_CLOCK == 0:
@@ -378,7 +382,7 @@ class SharedSteps:
         finally:
             command[LEARNER_WAITS] = 0
         if answered:
-            spin.observe(clock() - started, caught=False)
+            spin.end(caught=False)
         return answered
 
     # -- the lockstep step (clusterenv.learner.lockstep) ------------------------------------
@@ -472,7 +476,9 @@ class SharedSteps:
         )
 
     def close(self) -> None:
-        """Close the region's file (the batch stays readable while views of it live)."""
+        """Close the region's file (the batch stays readable while views of it live); give back the spinners' seats."""
+        if self._seats is not None:
+            self._seats.release()
         self.region.close()
 
 
