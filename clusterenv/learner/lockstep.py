@@ -158,7 +158,11 @@ class Lockstep:
         """What ``step`` returns once every worker answered: the step's replies are taken here."""
         path, buffers, own = self._path, self._buffers, self._own
         path.all_taken()
-        infos: dict[str, Any] = {} if own is None else buffers.collect([(own.slice, own.take_reply())], step=True)
+        infos: dict[str, Any] = {}
+        if own is not None:
+            reply = own.take_reply()
+            if not own.took(reply):  # else a step without infos, in the batch already
+                infos = buffers.collect([(own.slice, reply)], step=True)
         if INFOS in answers:
             batch = path.batch_infos() if own is None and answers.count(INFOS) == len(answers) else None
             if batch is not None:  # every env reported the same scalars: the batch's arrays, from the rows at once

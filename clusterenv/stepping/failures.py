@@ -23,6 +23,7 @@ import cloudpickle
 from gymnasium.vector import SyncVectorEnv
 from gymnasium.vector.utils import concatenate
 
+from clusterenv.stepping.lean_loop import lean_step
 from clusterenv.stepping.step_clock import StepClock
 from clusterenv.wire.protocol import Kind, Message
 
@@ -106,18 +107,20 @@ class TimedEnvs(list[Any]):
         return super().__getitem__(index)
 
 
-_SYNC_STEP = SyncVectorEnv.step.__code__
+# The loops whose variable ``i`` is the env being stepped: Gymnasium's, and the lean one that stands in for it.
+_STEP_LOOPS = (SyncVectorEnv.step.__code__, lean_step.__code__)
 
 
 def index_in_step(tb: TracebackType | None) -> int | None:
-    """The env ``SyncVectorEnv.step``'s loop had reached where the traceback ``tb`` passed through it.
+    """The env a step's loop had reached where the traceback ``tb`` passed through it.
 
-    Its loop variable ``i``, read from the outermost ``SyncVectorEnv.step`` frame below ``tb``
+    The loop is ``SyncVectorEnv.step``'s or the lean one (:mod:`~clusterenv.stepping.lean_loop`): its
+    loop variable ``i``, read from the outermost such frame below ``tb``
     (an env's own vector env further in is not ours); ``None`` if the step raised before its loop.
     """
     while tb is not None:
         frame = tb.tb_frame
-        if frame.f_code is _SYNC_STEP:
+        if frame.f_code in _STEP_LOOPS:
             index = frame.f_locals.get("i")
             return index if isinstance(index, int) else None
         tb = tb.tb_next

@@ -27,6 +27,7 @@ from gymnasium.wrappers import OrderEnforcing
 
 from clusterenv.stepping.env_errors import ResettingEnv
 from clusterenv.stepping.failures import EnvTracker, TimedEnvs, TrackedEnvs, index_in_step
+from clusterenv.stepping.lean_loop import lean_step, takes_lean_step
 from clusterenv.stepping.step_clock import StepClock
 from clusterenv.wire import shared_memory
 from clusterenv.wire.infos import InfoRecord
@@ -74,13 +75,51 @@ class RecordingVectorEnv(SyncVectorEnv):
     def step(self, actions: Any) -> Any:
         """``SyncVectorEnv.step``; in a sampled batch step, each env's step timed.
 
+        Under ``NEXT_STEP`` with array actions, the lean loop (:mod:`clusterenv.stepping.lean_loop`)
+        stands in for ``SyncVectorEnv``'s: the same calls and writes, without its per-env bookkeeping.
+
         The loop gets a plain list of the envs (a timed one in a sampled step): tracking each
         env it reaches would cost a Python call per env, 6% of a CartPole's step. An env that
         raises is named from the traceback instead.
         """
+        if self._stepped(actions):
+            return self._observations, self._rewards.copy(), self._terminations.copy(), self._truncations.copy(), {}
+        return self._sync_step(actions)
+
+    def step_into(self, actions: Any, rewards: np.ndarray, terminations: np.ndarray, truncations: np.ndarray) -> Any:
+        """:meth:`step`, writing the rewards and flags into the given arrays (the batch's rows): the observations.
+
+        A lean step's results go there straight from the envs' own arrays, with none of the
+        copies that ``step`` returns.
+        """
+        if self._stepped(actions):
+            rewards[...], terminations[...], truncations[...] = self._rewards, self._terminations, self._truncations
+            return self._observations
+        obs, rewards[...], terminations[...], truncations[...], _ = self._sync_step(actions)
+        return obs
+
+    def _stepped(self, actions: Any) -> bool:
+        """Step with the lean loop where it stands in for ``SyncVectorEnv.step``; whether it did."""
+        if not takes_lean_step(self, actions):
+            return False
         tracked = self.envs
         clock = tracked.tracker.clock
         timed = self.samples_steps and clock.start()  # the others pay no clock read, no Python call per env
+        try:
+            lean_step(self, self._timed if timed else self._untracked, actions, self.info_log)
+        except BaseException as exc:
+            tracked.tracker.reached = index_in_step(exc.__traceback__)
+            raise
+        finally:
+            if timed:
+                clock.stop()
+        return True
+
+    def _sync_step(self, actions: Any) -> Any:
+        """``SyncVectorEnv.step`` itself, with the plain list of envs (a timed one in a sampled step)."""
+        tracked = self.envs
+        clock = tracked.tracker.clock
+        timed = self.samples_steps and clock.start()
         try:
             # For this loop only: SyncVectorEnv.step indexes any list (the other loops keep the tracked one).
             self.envs = self._timed if timed else self._untracked  # type: ignore[assignment]

@@ -141,19 +141,17 @@ class _SharedStepper:
             return False
         command, answered, messages = rows.command, self.answered, self.messages
         clock = time.perf_counter
-        started = clock()
-        deadline = started + bound
+        deadline = spin.begin() + bound  # the wait ends with the next command, however it comes (:meth:`step`)
         polls = 0
         while True:
             if command[COUNTER] != answered:
-                spin.observe(clock() - started, caught=True)
+                spin.end(caught=True)
                 return True
             if command[MESSAGES] != messages:
                 return False
             polls += 1
             if polls % _POLLS_PER_CLOCK == 0:
                 if clock() > deadline:
-                    spin.observe(2 * bound, caught=False)  # a wait that outlasted the spin: at least this long
                     return False
                 yield_core()
 
@@ -182,6 +180,7 @@ class _SharedStepper:
         if rows is None:
             return error_reply(EnvFailure(None, "ProtocolError", "A shared-memory step before SHARE_STEP.", ""))
         while rows.command[COUNTER] != self.answered:  # else a wake-up that found nothing new
+            self.spin.end(caught=False)  # a wait that outlasted its spin counts whole: blocked, or in the mailbox
             self._step(rows)
             if not self._await_command() and not self._sleep_until_command(rows):
                 break
@@ -217,10 +216,7 @@ class _SharedStepper:
         assert isinstance(envs, (RecordingVectorEnv, UnitsVectorEnv))
         # Copies: env code may write into its action, and the rows are the learner's to write next.
         actions = unflatten(envs.single_action_space, [row.copy() for row in rows.actions])
-        _, rewards, terminations, truncations, _ = envs.step(actions)
-        rows.rewards[:] = rewards
-        rows.terminations[:] = terminations
-        rows.truncations[:] = truncations
+        envs.step_into(actions, rows.rewards, rows.terminations, rows.truncations)
         log = envs.info_log
         if log:
             envs.info_log = []

@@ -121,6 +121,11 @@ class UnitsVectorEnv(VectorEnv):
         return self.tracker.clock
 
     # -- stepping --------------------------------------------------------------------------
+    def step_into(self, actions: Any, rewards: np.ndarray, terminations: np.ndarray, truncations: np.ndarray) -> Any:
+        """:meth:`step`, writing the rewards and flags into the given arrays (the worker's rows): the observations."""
+        obs, rewards[...], terminations[...], truncations[...], _ = self.step(actions)
+        return obs
+
     def step(self, actions: Any) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
         """Step every unit with its rows of ``actions``; the worker's batch (``copy=False``)."""
         action_leaves = leaf_arrays(self.single_action_space, actions)
