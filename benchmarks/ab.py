@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import tyro
-from report import command_line, write_report  # the sibling module
+from support.report import command_line, write_report
 
 HERE = Path(__file__).resolve().parent
 
@@ -34,7 +34,7 @@ _RUN = """
 import json, sys, time
 sys.path.insert(0, {benchmarks!r})
 import gymnasium as gym, numpy as np
-from bench_envs import NullEnv
+from support.bench_envs import NullEnv
 from clusterenv import ClusterEnv
 SPLIT = {{"num_workers": 1, "learner_envs": 8}}
 fns, kwargs = {{

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path[:0] = [str(ROOT), str(ROOT.parent)]  # aps_sweep's PPO; tests.netns for the namespace
 from aps_sweep import Agent, layer_init, train  # noqa: E402
 from aps_sweep import Args as SweepArgs  # noqa: E402
-from report import command_line  # noqa: E402
+from support.report import command_line  # noqa: E402
 
 from clusterenv import ClusterEnv, LossyWeights  # noqa: E402
 from tests import netns  # noqa: E402

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import tyro
 from aps_sweep import label  # noqa: I001 (the sibling script)
-from report import command_line  # the sibling module
+from support.report import command_line
 
 
 @dataclass

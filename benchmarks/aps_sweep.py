@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 import torch.optim as optim
 import tyro
-from report import command_line  # the sibling module
+from support.report import command_line
 from torch.distributions.categorical import Categorical
 from torch.distributions.normal import Normal
 

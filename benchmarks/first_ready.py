@@ -14,7 +14,7 @@ of them (``cartpole_x64_w8``).
 Before timing, each cell's first-ready loop is checked exact (every env's observations,
 rewards and flags those of the same CartPole stepped alone with its seed and actions,
 Gymnasium's ``NEXT_STEP`` autoreset) and the path its steps take is counted
-(:class:`step_paths.PathCount`): whether ``send`` wrote its STEPs into the shared step
+(:class:`support.step_paths.PathCount`): whether ``send`` wrote its STEPs into the shared step
 region or sent messages, and whether each reply ``recv`` took was the worker's words in the
 region or a message.
 
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import tyro
-from report import command_line, write_report  # the sibling module
+from support.report import command_line, write_report
 
 HERE = Path(__file__).resolve().parent
 CORES = len(os.sched_getaffinity(0))
@@ -156,7 +156,7 @@ def check_first_ready(cell: str, batches: int) -> dict[str, Any]:
     import gymnasium as gym
     import numpy as np
     from gymnasium.error import NoAsyncCallError
-    from step_paths import PathCount
+    from support.step_paths import PathCount
 
     from clusterenv import ClusterEnv
 

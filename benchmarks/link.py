@@ -41,9 +41,9 @@ import tyro
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent
-sys.path[:0] = [str(ROOT), str(ROOT.parent)]  # bench_envs for the workers; tests.netns for the namespace
-from bench_envs import FrameReplayEnv, record_breakout  # noqa: E402
-from report import command_line  # noqa: E402
+sys.path[:0] = [str(ROOT), str(ROOT.parent)]  # support.bench_envs for the workers; tests.netns for the namespace
+from support.bench_envs import FrameReplayEnv, record_breakout  # noqa: E402
+from support.report import command_line  # noqa: E402
 
 from clusterenv import APS, ClusterEnv, PolicyRunner  # noqa: E402
 from tests import netns  # noqa: E402

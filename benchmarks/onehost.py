@@ -2,13 +2,13 @@
 
 Each cell steps ``num_envs`` envs in lockstep for ``--seconds`` per backend, in a fresh
 process per run; backends take turns, cell by cell, for ``--rounds`` rounds, and the
-medians are reported. ``floor`` is :class:`shm_floor.ShmFloor`, the bare shared-memory
+medians are reported. ``floor`` is :class:`support.shm_floor.ShmFloor`, the bare shared-memory
 lockstep loop: what this machine allows such a step path (its wake-ups included). For
 clusterenv and the floor the learner's CPU per worker message is measured too: the
 learner process's CPU time (all its threads) over the timed steps, divided by the
 messages (workers x batch steps). Before timing, the floor is checked bit-identical to
 ``SyncVectorEnv`` on CartPole-v1 (and on HalfCheetah-v5 and ALE/Pong-v5 with their infos, where
-MuJoCo and ale-py are installed). ``spin_floor`` is :class:`spin_floor.SpinFloor`: the learner steps half the envs
+MuJoCo and ale-py are installed). ``spin_floor`` is :class:`support.spin_floor.SpinFloor`: the learner steps half the envs
 and one forked worker the other half, both spinning, never a wake-up (infos dropped);
 ``split`` is clusterenv in that shape (``num_workers=1, learner_envs=n // 2``, its default
 spin). For Sync, clusterenv and the floor, the CPU each env step costs in the process that
@@ -18,7 +18,7 @@ floor carries too and checks exact); EnvPool's Pong beside it differs as the tab
 
 Before timing, clusterenv is also checked as each cell runs it: bit-identical to
 ``SyncVectorEnv`` (infos included) over lockstep steps, its workers on the shared step path,
-and what each step's replies were (:class:`step_paths.PathCount`: results and infos in the
+and what each step's replies were (:class:`support.step_paths.PathCount`: results and infos in the
 region, or a message, and why).
 
     pip install -e ".[bench]"
@@ -42,12 +42,12 @@ from pathlib import Path
 from typing import Any
 
 import tyro
-from report import command_line, write_report  # the sibling module
+from support.report import command_line, write_report
 
 HERE = Path(__file__).resolve().parent
 CORES = os.cpu_count() or 1
 
-#: cell -> (env, number of envs, workers); env is a Gymnasium id or a bench_envs class.
+#: cell -> (env, number of envs, workers); env is a Gymnasium id or a support.bench_envs class.
 CELLS: dict[str, tuple[str, int, int]] = {
     "cartpole_x16": ("CartPole-v1", 16, 2),
     "cartpole_x64": ("CartPole-v1", 64, 2),
@@ -120,13 +120,13 @@ env, num_envs, workers, backend, seconds = {env!r}, {num_envs}, {workers}, {back
 
 def factory():
     if env == "BurnEnv":
-        from bench_envs import BurnEnv
+        from support.bench_envs import BurnEnv
         return lambda: BurnEnv(step_cpu_ms=0.05)
     if env == "NullEnv":
-        from bench_envs import NullEnv
+        from support.bench_envs import NullEnv
         return NullEnv
     if env.startswith("ALE/"):
-        from bench_envs import make_atari
+        from support.bench_envs import make_atari
         return lambda: make_atari(env)
     return lambda: gym.make(env)
 
@@ -142,11 +142,11 @@ elif backend.startswith("envpool"):
     envpool_id, envpool_options = {envpool!r}
     envs = envpool.make_gymnasium(envpool_id, num_envs=num_envs, num_threads=threads, seed=0, **envpool_options)
 elif backend == "floor":
-    from shm_floor import ShmFloor
+    from support.shm_floor import ShmFloor
     envs = ShmFloor([factory()] * num_envs, workers, info_keys)
     messages_per_step = workers
 elif backend == "spin_floor":
-    from spin_floor import SpinFloor
+    from support.spin_floor import SpinFloor
     envs = SpinFloor([factory()] * num_envs)
     messages_per_step = 1
 elif backend == "split":  # clusterenv as the spinning floor splits the envs
@@ -227,8 +227,8 @@ def check_floor_exact() -> list[str]:
     sys.path.insert(0, str(HERE))
     import gymnasium as gym
     import numpy as np
-    from bench_envs import make_atari
-    from shm_floor import ShmFloor
+    from support.bench_envs import make_atari
+    from support.shm_floor import ShmFloor
 
     checked = []
     cases = [("CartPole-v1", ())]
@@ -268,7 +268,7 @@ def check_floor_exact() -> list[str]:
             sync.close()
             floor.close()
         checked.append(env_id)
-    from spin_floor import SpinFloor
+    from support.spin_floor import SpinFloor
 
     fns = [lambda: gym.make("CartPole-v1")] * 8
     sync, floor = gym.vector.SyncVectorEnv(fns), SpinFloor(fns)
@@ -288,13 +288,13 @@ def check_floor_exact() -> list[str]:
 def check_clusterenv_cell(cell: str, steps: int) -> dict[str, Any]:
     """ClusterEnv as the cell runs it, against SyncVectorEnv (infos included), and the path its steps took.
 
-    ``steps`` lockstep steps of seeded random actions; the counts are :class:`step_paths.PathCount`'s,
+    ``steps`` lockstep steps of seeded random actions; the counts are :class:`support.step_paths.PathCount`'s,
     over all but the first step (whose infos name their layout in a message).
     """
     sys.path.insert(0, str(HERE))
     import gymnasium as gym
     import numpy as np
-    from step_paths import PathCount
+    from support.step_paths import PathCount
 
     from clusterenv import ClusterEnv
 
@@ -322,9 +322,9 @@ def check_clusterenv_cell(cell: str, steps: int) -> dict[str, Any]:
 
 
 def _maker(env_id: str) -> Any:
-    """A factory for ``env_id``: a ``bench_envs`` class, or ``gym.make`` (ale-py's envs registered first for ``ALE/``)."""
+    """A factory for ``env_id``: a ``support.bench_envs`` class, or ``gym.make`` (ale-py's envs registered first for ``ALE/``)."""
     import gymnasium as gym
-    from bench_envs import BurnEnv, NullEnv, make_atari
+    from support.bench_envs import BurnEnv, NullEnv, make_atari
 
     if env_id == "BurnEnv":
         return functools.partial(BurnEnv, step_cpu_ms=0.05)

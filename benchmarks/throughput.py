@@ -31,9 +31,9 @@ import numpy as np
 import tyro
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # workers import bench_envs from here
-from bench_envs import BurnEnv, make_atari  # noqa: E402
-from report import command_line  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # workers import support.bench_envs from here
+from support.bench_envs import BurnEnv, make_atari  # noqa: E402
+from support.report import command_line  # noqa: E402
 
 from clusterenv import ClusterEnv  # noqa: E402
 

@@ -39,7 +39,7 @@ import numpy as np
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import command_line  # noqa: E402
+from support.report import command_line  # noqa: E402
 
 import clusterenv  # noqa: E402
 import clusterenv.pettingzoo  # noqa: E402

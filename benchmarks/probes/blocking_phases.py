@@ -5,7 +5,7 @@ Here every env records, on the host's monotonic clock, when each of its calls (a
 reset of a ``NEXT_STEP`` autoreset) starts and ends, and the learner records when each
 ``step`` call starts and returns. Per batch step that gives three phases, the same for
 clusterenv (its default, the shared step path) and for the floor
-(:class:`shm_floor.ShmFloor`):
+(:class:`support.shm_floor.ShmFloor`):
 
 * **before the envs**: from the call until the first env starts (the learner's command, the
   wake-up, the worker's way to its envs);
@@ -42,8 +42,8 @@ from pathlib import Path
 import tyro
 
 BENCHMARKS = Path(__file__).resolve().parents[1]
-sys.path.insert(1, str(BENCHMARKS))  # report, one level up
-from report import command_line, write_report  # noqa: E402
+sys.path.insert(1, str(BENCHMARKS))  # support.report, one level up
+from support.report import command_line, write_report  # noqa: E402
 
 #: cell -> (env, number of envs); two workers each.
 CELLS = {"cartpole_x16": ("CartPole-v1", 16), "halfcheetah_x16": ("HalfCheetah-v5", 16), "null_x16": ("NullEnv", 16)}
@@ -77,7 +77,7 @@ class Timed(gym.Wrapper):
     # Records (start, end) of each call, saved when the run's last one ends (workers may never close it).
     def __init__(self, index):
         if env_id == "NullEnv":
-            from bench_envs import NullEnv
+            from support.bench_envs import NullEnv
             env = NullEnv()
         else:
             env = gym.make(env_id, max_episode_steps=10**9) if env_id.startswith("HalfCheetah") else gym.make(env_id)
@@ -101,7 +101,7 @@ def make(index):
 
 fns = [make(i) for i in range(num_envs)]
 if backend == "floor":
-    from shm_floor import ShmFloor
+    from support.shm_floor import ShmFloor
     from onehost import INFO_KEYS
     envs = ShmFloor(fns, 2, INFO_KEYS.get(env_id, ()))
 else:

@@ -23,8 +23,8 @@ from typing import Any
 
 import tyro
 
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # report and bench_envs, one level up
-from report import command_line  # noqa: E402
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # support (report, bench_envs), one level up
+from support.report import command_line  # noqa: E402
 
 from clusterenv.wire.infos import merge_infos, pack_infos, replay_infos  # noqa: E402
 

@@ -43,11 +43,11 @@ import numpy as np
 import tyro
 from tqdm import tqdm
 
-# This folder, then benchmarks/ (bench_envs, report): the workers inherit the path.
+# This folder, then benchmarks/ (support.bench_envs, support.report): the workers inherit the path.
 sys.path[:0] = [str(folder) for folder in Path(__file__).resolve().parents[:2]]
-from bench_envs import FrameReplayEnv, SleepEnv, record_breakout  # noqa: E402
 from learner_cpu import _check, _frames, hello_dealer, worker_router  # noqa: E402
-from report import command_line  # noqa: E402
+from support.bench_envs import FrameReplayEnv, SleepEnv, record_breakout  # noqa: E402
+from support.report import command_line  # noqa: E402
 
 from clusterenv import ClusterEnv  # noqa: E402
 

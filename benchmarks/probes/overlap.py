@@ -33,8 +33,8 @@ import tyro
 from torch import nn
 from tqdm import tqdm
 
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # report and bench_envs, one level up
-from report import command_line  # noqa: E402
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # support (report, bench_envs), one level up
+from support.report import command_line  # noqa: E402
 
 from clusterenv import APS, ClusterEnv, PolicyRunner  # noqa: E402
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from report import command_line, write_report  # noqa: E402
+from support.report import command_line, write_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = {

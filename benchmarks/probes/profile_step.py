@@ -27,10 +27,10 @@ import gymnasium as gym
 import numpy as np
 import tyro
 
-# This folder, then benchmarks/ (bench_envs, report): the workers inherit the path.
+# This folder, then benchmarks/ (support.bench_envs, support.report): the workers inherit the path.
 sys.path[:0] = [str(folder) for folder in Path(__file__).resolve().parents[:2]]
-from bench_envs import SleepEnv  # noqa: E402
-from report import command_line  # noqa: E402
+from support.bench_envs import SleepEnv  # noqa: E402
+from support.report import command_line  # noqa: E402
 
 import clusterenv  # noqa: E402
 from clusterenv import ClusterEnv  # noqa: E402

@@ -41,9 +41,9 @@ import tyro
 from torch import nn
 from tqdm import tqdm
 
-# This folder, then benchmarks/ (bench_envs, report): the workers inherit the path.
+# This folder, then benchmarks/ (support.bench_envs, support.report): the workers inherit the path.
 sys.path[:0] = [str(folder) for folder in Path(__file__).resolve().parents[:2]]
-from bench_envs import SleepEnv  # noqa: E402
+from support.bench_envs import SleepEnv  # noqa: E402
 
 from clusterenv import ClusterEnv, Never, PolicyRunner  # noqa: E402
 from clusterenv.launch.launchers import LocalLauncher  # noqa: E402

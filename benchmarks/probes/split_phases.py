@@ -4,7 +4,7 @@
 reaches into private names: a benchmark, not an API): starting the call, checking the
 actions, recording the step (the learner's own part and the workers' commands), commanding
 the worker, stepping the learner's own envs, waiting for the worker's words, and building the
-results. The bare spinning split (``benchmarks/spin_floor.py``) runs the same envs, its own
+results. The bare spinning split (``benchmarks/support/spin_floor.py``) runs the same envs, its own
 half timed inside its loop. A step that leaves the lockstep path (about once a second, when
 the pool reads its socket) is finished by ``step_wait`` and not counted. Rounds alternate the
 two, and the medians are reported.
@@ -29,10 +29,11 @@ import gymnasium as gym
 import numpy as np
 import tyro
 
-sys.path[:0] = [str(folder) for folder in Path(__file__).resolve().parents[:2]]  # bench_envs, report, spin_floor
-from bench_envs import NullEnv  # noqa: E402
-from report import command_line, write_report  # noqa: E402
-from spin_floor import SpinFloor  # noqa: E402
+# This folder, then benchmarks/ (support: bench_envs, report, spin_floor): the workers inherit the path.
+sys.path[:0] = [str(folder) for folder in Path(__file__).resolve().parents[:2]]
+from support.bench_envs import NullEnv  # noqa: E402
+from support.report import command_line, write_report  # noqa: E402
+from support.spin_floor import SpinFloor  # noqa: E402
 
 from clusterenv import ClusterEnv  # noqa: E402
 from clusterenv.learner.call_state import AsyncState  # noqa: E402

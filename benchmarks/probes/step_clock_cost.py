@@ -17,9 +17,9 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
-# This folder, then benchmarks/ (bench_envs, report): the workers inherit the path.
+# This folder, then benchmarks/ (support.bench_envs, support.report): the workers inherit the path.
 sys.path[:0] = [str(folder) for folder in Path(__file__).resolve().parents[:2]]
-from bench_envs import NullEnv  # noqa: E402
+from support.bench_envs import NullEnv  # noqa: E402
 
 from clusterenv.stepping.failures import EnvTracker  # noqa: E402
 from clusterenv.stepping.recording_env import build  # noqa: E402

@@ -39,11 +39,11 @@ import numpy as np
 import tyro
 import zmq
 
-# This folder, then benchmarks/ (bench_envs, report): the workers inherit the path.
+# This folder, then benchmarks/ (support.bench_envs, support.report): the workers inherit the path.
 sys.path[:0] = [str(folder) for folder in Path(__file__).resolve().parents[:2]]
-from bench_envs import TracedBurnEnv  # noqa: E402
 from learner_cpu import hello_dealer, worker_router  # noqa: E402
-from report import command_line, write_report  # noqa: E402
+from support.bench_envs import TracedBurnEnv  # noqa: E402
+from support.report import command_line, write_report  # noqa: E402
 
 from clusterenv import ClusterEnv  # noqa: E402
 from clusterenv.launch.launchers import LocalLauncher  # noqa: E402

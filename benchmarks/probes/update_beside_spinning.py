@@ -27,7 +27,7 @@ import torch
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from report import command_line, write_report  # noqa: E402  (benchmarks/report.py)
+from support.report import command_line, write_report  # noqa: E402  (benchmarks/support/report.py)
 
 from clusterenv import ClusterEnv  # noqa: E402
 

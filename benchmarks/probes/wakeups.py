@@ -30,8 +30,8 @@ from pathlib import Path
 
 import tyro
 
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # report and bench_envs, one level up
-from report import command_line, write_report  # noqa: E402
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # support (report, bench_envs), one level up
+from support.report import command_line, write_report  # noqa: E402
 
 
 @dataclasses.dataclass

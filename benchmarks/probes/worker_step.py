@@ -29,8 +29,8 @@ import numpy as np
 import tyro
 from gymnasium.vector import AutoresetMode
 
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # report and bench_envs, one level up
-from report import command_line, write_report  # noqa: E402
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # support (report, bench_envs), one level up
+from support.report import command_line, write_report  # noqa: E402
 
 from clusterenv import ClusterEnv  # noqa: E402
 from clusterenv.wire.leaves import unflatten  # noqa: E402

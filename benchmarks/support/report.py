@@ -9,9 +9,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["command_line", "write_report"]
+__all__ = ["command_line", "machine", "write_report"]
 
-BENCHMARKS = Path(__file__).resolve().parent
+BENCHMARKS = Path(__file__).resolve().parents[1]
 #: Where every report goes, and where the documentation includes it from.
 RESULTS_DIR = BENCHMARKS / "results"
 
@@ -20,7 +20,7 @@ def command_line(script: str, drop: Iterable[str] = ()) -> str:
     """``python benchmarks/<script> <this run's arguments>``, as a reader would type it to reproduce the report.
 
     Args:
-        script: the benchmark's ``__file__`` (here or in ``probes/``).
+        script: the benchmark's ``__file__`` (in ``benchmarks/`` or ``benchmarks/probes/``).
         drop: arguments left out because they do not change the results (``--plot-only``).
     """
     dropped = set(drop)
@@ -31,6 +31,19 @@ def command_line(script: str, drop: Iterable[str] = ()) -> str:
             *(a for a in sys.argv[1:] if a not in dropped),
         ]
     )
+
+
+def machine() -> str:
+    """The processor and the usable cores, as a report names the machine it ran on ("AMD EPYC 7B13, 2 cores")."""
+    import os
+
+    model = "unknown processor"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{model}, {len(os.sched_getaffinity(0))} usable cores"
 
 
 def write_report(name: str, text: str, figures: Mapping[str, Any] | None = None) -> None:
