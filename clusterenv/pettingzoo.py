@@ -1,6 +1,6 @@
 """PettingZoo parallel games across the cluster: copies of a game as units, one slot per agent.
 
-``pip install "clusterenv[pettingzoo]"``. The recipe SuperSuit users know,
+``pip install "clusterenv-rl[pettingzoo]"``. The recipe SuperSuit users know,
 
 .. code-block:: python
 

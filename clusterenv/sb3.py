@@ -1,10 +1,10 @@
 """Stable-Baselines3 adapter: :class:`ClusterVecEnv`, a ``VecEnv`` whose envs run in clusterenv workers.
 
-Swap one line of a Stable-Baselines3 script (``pip install "clusterenv[sb3]"``)::
+Swap one line of a Stable-Baselines3 script (``pip install "clusterenv-rl[sb3]"``)::
 
     from clusterenv.sb3 import ClusterVecEnv
 
-    env = ClusterVecEnv([make_env(i) for i in range(8)], num_workers=2)  # was SubprocVecEnv([...])
+    env = ClusterVecEnv([make_env(i) for i in range(8)])  # was SubprocVecEnv([...])
     model = PPO("MlpPolicy", env).learn(100_000)
 
 It is a third implementation of SB3's ``VecEnv`` contract beside ``DummyVecEnv`` and
@@ -62,7 +62,7 @@ class ClusterVecEnv(VecEnv):
     Examples:
         >>> from stable_baselines3.common.env_util import make_vec_env
         >>> from clusterenv.sb3 import ClusterVecEnv
-        >>> env = make_vec_env("CartPole-v1", n_envs=4, vec_env_cls=ClusterVecEnv, vec_env_kwargs={"num_workers": 2})
+        >>> env = make_vec_env("CartPole-v1", n_envs=4, vec_env_cls=ClusterVecEnv)
         >>> env.seed(0)
         [0, 1, 2, 3]
         >>> env.reset().shape

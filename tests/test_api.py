@@ -6,6 +6,7 @@ import functools
 import importlib
 import importlib.metadata
 import inspect
+import logging
 import pkgutil
 
 import gymnasium as gym
@@ -289,6 +290,34 @@ def test_make_vec_accepts_and_ignores_vectorization_mode():
         assert envs.spec.kwargs["vectorization_mode"] == "clusterenv"
 
 
+def test_make_vec_without_a_mode_logs_once_what_the_vector_entry_point_would_have_given(caplog, monkeypatch):
+    """``gymnasium.make_vec(id, n)`` would have made CartPole's own vector env: say so, once per id and process."""
+    cartpole = "gymnasium.envs.classic_control.cartpole"
+    vectorized, chosen = "clusterenv-test/VectorizedCartPole-v0", "clusterenv-test/SyncChosenCartPole-v0"
+    for env_id in (vectorized, chosen):
+        monkeypatch.setitem(
+            gym.registry,
+            env_id,
+            gym.envs.registration.EnvSpec(
+                env_id, f"{cartpole}:CartPoleEnv", vector_entry_point=f"{cartpole}:CartPoleVectorEnv"
+            ),
+        )
+    with caplog.at_level(logging.INFO, logger="clusterenv.make"):
+        for _ in range(2):
+            clusterenv.make_vec(vectorized, num_envs=2, vector_kwargs={"num_workers": 1}).close()
+        clusterenv.make_vec(chosen, num_envs=2, vectorization_mode="sync", vector_kwargs={"num_workers": 1}).close()
+        clusterenv.make_vec("Pendulum-v1", num_envs=2, vector_kwargs={"num_workers": 1}).close()  # has none
+    told = [record for record in caplog.records if record.name == "clusterenv.make"]
+    assert [record.levelno for record in told] == [logging.INFO]
+    message = told[0].getMessage()
+    assert message.startswith(f"clusterenv.make_vec('{vectorized}', 2) steps 2 single envs in worker processes")
+    assert f"(vector_entry_point: {cartpole}:CartPoleVectorEnv)" in message
+    assert (
+        f"functools.partial(gymnasium.make_vec, '{vectorized}', k, vectorization_mode='vector_entry_point')" in message
+    )
+    assert "docs/guides/units.md" in message
+
+
 def test_repr_without_spec():
     with ClusterEnv([CARTPOLE] * 2, num_workers=1) as envs:
         assert repr(envs) == "ClusterEnv(num_envs=2, num_workers=1)"
@@ -331,7 +360,7 @@ def test_every_module_declares_its_public_names(module_name):
 
 
 def test_version_matches_the_installed_distribution():
-    assert clusterenv.__version__ == importlib.metadata.version("clusterenv")
+    assert clusterenv.__version__ == importlib.metadata.version("clusterenv-rl")
 
 
 def test_worker_info_names_each_worker_its_envs_and_how_long_it_has_been_silent():

@@ -1,4 +1,4 @@
-"""Workers as Ray actors, spread over a Ray cluster (``pip install clusterenv[ray]``).
+"""Workers as Ray actors, spread over a Ray cluster (``pip install "clusterenv-rl[ray]"``).
 
 Ray only places and supervises the worker processes; the data path stays ZeroMQ: each
 actor runs :func:`clusterenv.worker.process.serve`, which connects back to the learner's tcp
@@ -26,7 +26,7 @@ def _import_ray() -> Any:
         import ray
     except ImportError:
         raise ImportError(
-            "ClusterEnv(launcher='ray') needs Ray; install it with `pip install clusterenv[ray]`."
+            "ClusterEnv(launcher='ray') needs Ray; install it with `pip install 'clusterenv-rl[ray]'`."
         ) from None
     return ray
 
