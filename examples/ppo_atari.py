@@ -48,7 +48,8 @@ class Args:
     is_clip: float = 1.0
     """with --local-policy: truncation of the importance weight pi_learner / pi_acting (decoupled PPO ratio)"""
     num_workers: int | None = None
-    """clusterenv worker processes (default: one per core, at most one per env)"""
+    """clusterenv worker processes (default: clusterenv's default layout: one worker per core but one, the
+    learner stepping one worker's share of the envs itself)"""
     runs_dir: str = "runs"
     """where `<run_name>/episodes.csv` and `<run_name>/learning_curve.png` go"""
 

@@ -45,11 +45,12 @@ class Args:
     is_clip: float = 1.0
     """with --local-policy: truncation of the importance weight pi_learner / pi_acting (decoupled PPO ratio)"""
     num_workers: int | None = None
-    """clusterenv worker processes (default: one per core, at most one per env; with --prefetch, one core fewer
-    leaves the learner's update a core of its own)"""
-    learner_envs: int = 0
-    """clusterenv: the learner steps this many envs itself while the workers step the rest (cheap envs: half,
-    with `--num-workers 1`; see docs/guides/dropin.md)"""
+    """clusterenv worker processes (default: clusterenv's default layout, clusterenv.learner.layout: one worker
+    per core but one, the learner stepping one worker's share of the envs itself; with --local-policy the
+    workers act and step that share too)"""
+    learner_envs: int | None = None
+    """clusterenv: the learner steps this many envs itself while the workers step the rest (default: the default
+    layout's share; 0: every env in a worker; see docs/guides/dropin.md)"""
     spin_us: float | None = None
     """clusterenv: microseconds each side spins before it blocks (default: adapted, where every process has a
     core; 0: never)"""

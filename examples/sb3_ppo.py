@@ -24,8 +24,8 @@ class Args:
     """the id of the environment"""
     num_envs: int = 8
     """the number of parallel environments"""
-    num_workers: int = 2
-    """clusterenv worker processes (with --backend clusterenv)"""
+    num_workers: int | None = None
+    """clusterenv worker processes (with --backend clusterenv; default: clusterenv's default layout)"""
     backend: Literal["clusterenv", "subproc", "dummy"] = "clusterenv"
     """`ClusterVecEnv`, SB3's `SubprocVecEnv`, or SB3's `DummyVecEnv`"""
     total_timesteps: int = 100_000
