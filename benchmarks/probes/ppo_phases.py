@@ -1,8 +1,8 @@
 """Where the PPO example's time goes, with the learner picking actions: each phase timed from inside.
 
 Each run is ``examples/ppo_cartpole.py`` itself (its own process, its own start-up), with
-``ClusterEnv.__init__``, ``ClusterEnv.step``, ``SyncVectorEnv.step`` (the learner's own envs
-step through it too), the lockstep step's wait for each worker's words
+``ClusterEnv.__init__``, ``ClusterEnv.step``, ``SyncVectorEnv.step``, the learner's own envs'
+step (``LearnerEnvs.step``), the lockstep step's wait for each worker's words
 (``SharedSteps.await_words``), ``Tensor.backward`` and ``Adam.step`` wrapped with a clock; the
 loop's own work is the rest of the run. Configurations alternate, run by run.
 
@@ -30,9 +30,10 @@ from support.report import command_line, write_report  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = {
     "gym": ["--backend", "gym"],
+    "the defaults": [],
     "--num-workers 1": ["--num-workers", "1"],
-    "--num-workers 1 --learner-envs 4": ["--num-workers", "1", "--learner-envs", "4"],
-    "--num-workers 1 --learner-envs 4 --spin-us 0": ["--num-workers", "1", "--learner-envs", "4", "--spin-us", "0"],
+    "--num-workers 2": ["--num-workers", "2"],
+    "--spin-us 0": ["--spin-us", "0"],
 }
 
 # One run: the example under wrapped phases; prints the seconds per phase as one JSON line.
@@ -40,6 +41,7 @@ _RUN = r"""
 import collections, json, runpy, sys, tempfile, time
 import gymnasium as gym, torch
 import clusterenv
+from clusterenv.learner.own_envs import LearnerEnvs
 from clusterenv.learner.shared_steps import SharedSteps
 spent = collections.Counter()
 
@@ -56,6 +58,7 @@ def timed(owner, name, label):
 timed(clusterenv.ClusterEnv, "__init__", "build")
 timed(clusterenv.ClusterEnv, "step", "clusterenv step")
 timed(gym.vector.SyncVectorEnv, "step", "SyncVectorEnv step")
+timed(LearnerEnvs, "step", "the learner's own envs")
 timed(SharedSteps, "await_words", "waiting for the worker")
 timed(torch.Tensor, "backward", "backward")
 timed(torch.optim.Adam, "step", "optimizer")
@@ -96,10 +99,9 @@ def row(name: str, runs: list[dict[str, float]], steps: int) -> str:
         return statistics.median(r.get(key, 0.0) for r in runs)
 
     total, build = median("total"), median("build")
-    # The learner's own envs step through SyncVectorEnv inside ClusterEnv.step: the step is ClusterEnv's.
     step = median("clusterenv step") or median("SyncVectorEnv step")
     stepped_by_clusterenv = bool(median("clusterenv step"))
-    own = median("SyncVectorEnv step") if stepped_by_clusterenv else None
+    own = median("the learner's own envs") if stepped_by_clusterenv else None
     update = median("backward") + median("optimizer")
     rest = total - build - step - update
     own_cell = "—" if own is None else f"{own:.2f} s ({own / steps * 1e6:.0f} µs)"

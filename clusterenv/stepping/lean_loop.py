@@ -1,4 +1,4 @@
-"""``SyncVectorEnv.step``'s loop for ``NEXT_STEP`` autoreset, without its per-env bookkeeping.
+"""``SyncVectorEnv.step``'s loop for ``NEXT_STEP`` and ``SAME_STEP`` autoreset, without its per-env bookkeeping.
 
 On envs whose step costs a µs or two (a null env, a cheap grid world) half of
 ``SyncVectorEnv.step`` is its own bookkeeping: comparing the autoreset mode (an enum) three
@@ -25,12 +25,13 @@ __all__ = ["ARRAY_ACTIONS", "batch_observations", "lean_step", "takes_lean_step"
 
 #: Action spaces whose batch is one array that ``iterate`` walks row by row.
 ARRAY_ACTIONS = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
+_LEAN_MODES = (AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP)
 
 
 def takes_lean_step(vector: SyncVectorEnv, actions: Any) -> bool:
     """Whether :func:`lean_step` steps ``vector`` with ``actions`` as ``SyncVectorEnv.step`` would."""
     return (
-        vector.autoreset_mode is AutoresetMode.NEXT_STEP
+        vector.autoreset_mode in _LEAN_MODES
         and type(actions) is np.ndarray
         and isinstance(vector.action_space, ARRAY_ACTIONS)
         and len(actions) == vector.num_envs
@@ -38,7 +39,11 @@ def takes_lean_step(vector: SyncVectorEnv, actions: Any) -> bool:
 
 
 def lean_step(vector: Any, envs: list[Any], actions: np.ndarray, info_log: list[Any]) -> None:
-    """Step ``envs`` (``vector``'s, as a plain list) with ``actions`` under ``NEXT_STEP``; infos to ``info_log``.
+    """Step ``envs`` (``vector``'s, as a plain list) with ``actions``; infos to ``info_log``, env by env.
+
+    Under ``NEXT_STEP`` an env that ended last step is reset instead (reward 0, both flags
+    false); under ``SAME_STEP`` an env that ends is reset within the step, its last observation
+    and info recorded as ``final_obs`` and ``final_info`` first, as ``SyncVectorEnv`` adds them.
 
     Leaves the results where ``SyncVectorEnv.step`` leaves them (``vector._observations``,
     ``_rewards``, ``_terminations``, ``_truncations``, ``_autoreset_envs``) and returns nothing:
@@ -48,17 +53,26 @@ def lean_step(vector: Any, envs: list[Any], actions: np.ndarray, info_log: list[
     """
     env_obs, rewards = vector._env_obs, vector._rewards
     terminations, truncations = vector._terminations, vector._truncations
-    autoresetting = vector._autoreset_envs.tolist()
-    for i in range(len(envs)):
-        if autoresetting[i]:
-            env_obs[i], env_info = envs[i].reset()
-            rewards[i] = 0.0
-            terminations[i] = False
-            truncations[i] = False
-        else:
+    if vector.autoreset_mode is AutoresetMode.NEXT_STEP:
+        autoresetting = vector._autoreset_envs.tolist()
+        for i in range(len(envs)):
+            if autoresetting[i]:
+                env_obs[i], env_info = envs[i].reset()
+                rewards[i] = 0.0
+                terminations[i] = False
+                truncations[i] = False
+            else:
+                env_obs[i], rewards[i], terminations[i], truncations[i], env_info = envs[i].step(actions[i])
+            if env_info:
+                info_log.append((i, env_info))
+    else:
+        for i in range(len(envs)):
             env_obs[i], rewards[i], terminations[i], truncations[i], env_info = envs[i].step(actions[i])
-        if env_info:
-            info_log.append((i, env_info))
+            if terminations[i] or truncations[i]:
+                info_log.append((i, {"final_obs": env_obs[i], "final_info": env_info}))
+                env_obs[i], env_info = envs[i].reset()
+            if env_info:
+                info_log.append((i, env_info))
     vector._observations = batch_observations(vector.single_observation_space, env_obs, vector._observations)
     vector._autoreset_envs = np.logical_or(terminations, truncations)
 

@@ -75,7 +75,7 @@ class RecordingVectorEnv(SyncVectorEnv):
     def step(self, actions: Any) -> Any:
         """``SyncVectorEnv.step``; in a sampled batch step, each env's step timed.
 
-        Under ``NEXT_STEP`` with array actions, the lean loop (:mod:`clusterenv.stepping.lean_loop`)
+        Under ``NEXT_STEP`` and ``SAME_STEP`` with array actions, the lean loop (:mod:`clusterenv.stepping.lean_loop`)
         stands in for ``SyncVectorEnv``'s: the same calls and writes, without its per-env bookkeeping.
 
         The loop gets a plain list of the envs (a timed one in a sampled step): tracking each
