@@ -262,10 +262,12 @@ def train(args, envs, spec, seed, *, make_agent=Agent, weights=None):
             episodes.append((global_step + (t + 1) * args.num_envs, ret))
         global_step += batch_size
 
-        obs = torch.as_tensor(batch.obs)
+        # The batch keeps the observations' own dtype (MuJoCo's float64); the policy and the value net take float32,
+        # as the workers' copies are given them.
+        obs = torch.as_tensor(batch.obs, dtype=torch.float32)
         with torch.no_grad():
             values = agent.get_value(obs).squeeze(-1)
-            next_value = agent.get_value(torch.as_tensor(batch.next_obs)).squeeze(-1)
+            next_value = agent.get_value(torch.as_tensor(batch.next_obs, dtype=torch.float32)).squeeze(-1)
         advantages, returns = advantages_and_returns(args, batch, values, next_value)
 
         # Reset steps carry no transition (the env ignored the action): leave them out of the loss.
