@@ -111,6 +111,27 @@ LEARNER = textwrap.dedent(
 )
 
 
+def start_learner_and_worker(spawn, attempts: int = 3):
+    """A learner process of ``LEARNER`` with its external worker, once it printed "ready".
+
+    The port ``free_address`` found free may be taken before the learner binds it (another
+    test's connection takes an ephemeral port): then both start again on another address.
+    Any other way the learner ends early fails with its stderr.
+    """
+    for _ in range(attempts):
+        address = free_address()
+        learner = spawn([sys.executable, "-c", LEARNER, address, repr(FAST.to_meta())])
+        worker = spawn(worker_command(address))
+        line = learner.stdout.readline().strip()
+        if line == "ready":
+            return learner, worker
+        learner.kill()
+        worker.kill()
+        _, errors = learner.communicate(timeout=10)
+        assert "Address already in use" in errors, f"the learner ended before it was ready: {errors}"
+    raise AssertionError(f"no free address in {attempts} attempts")
+
+
 LEARNER_GONE = {
     # Its end of the connection closes: lost after interval * liveness, about 1 s.
     "killed": (signal.SIGKILL, "has been silent for 1.0 s and its end of the connection is closed"),
@@ -122,10 +143,7 @@ LEARNER_GONE = {
 
 @pytest.mark.parametrize(("sig", "reason"), LEARNER_GONE.values(), ids=LEARNER_GONE)
 def test_external_worker_exits_when_its_learner_dies(spawn, sig, reason):
-    address = free_address()
-    learner = spawn([sys.executable, "-c", LEARNER, address, repr(FAST.to_meta())])
-    worker = spawn(worker_command(address))
-    assert learner.stdout.readline().strip() == "ready"
+    learner, worker = start_learner_and_worker(spawn)
     learner.send_signal(sig)
     assert worker.wait(timeout=20) == LEARNER_LOST_EXIT_CODE
     assert reason in worker.stderr.read()

@@ -9,7 +9,7 @@ cores (docs/benchmarks.md, "The default layout"), this layout beats one worker p
 every cell, from a null env to HalfCheetah, and the PPO example end to end.
 
 The learner steps no env where it could not serve them, and the layout is then one
-worker per usable core (at most one per entry of ``env_fns``), as before the rule:
+worker per usable core (at most one per entry of ``env_fns``):
 
 - remote workers (``launcher="external"``, Ray, ``srun``): the learner's host is not theirs;
 - first-ready batches (``batch_size``): whole workers come back in the order they are ready;

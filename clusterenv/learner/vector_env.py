@@ -81,6 +81,9 @@ class _StartWith:
     batch_size: int | None
     recycle: Recycle | None
     pool_kwargs: dict[str, Any]
+    #: Whether the workers are this process's children (``LocalLauncher``), and the cores it may use.
+    local: bool
+    cores: int
 
 
 class ClusterEnv(VectorEnv):
@@ -230,7 +233,7 @@ class ClusterEnv(VectorEnv):
         self._max_env_errors = max_errors
         self._observation_mode = observation_mode = check_observation_mode(observation_mode)
         launcher = resolve_launcher(launcher)
-        self._start_with = _StartWith(
+        self._start_with = given = _StartWith(
             pickled_fns=[pickle_env_fn(i, fn) for i, fn in enumerate(env_fns)],
             autoreset_mode=check_autoreset_mode(autoreset_mode),
             spin_us=check_spin_us(spin_us),
@@ -248,14 +251,16 @@ class ClusterEnv(VectorEnv):
                 "encrypt": encrypt,
                 "compression": check_codec(compression),
             },
+            local=isinstance(launcher, LocalLauncher),
+            cores=usable_cores(),
         )
         self._layout_choice = functools.partial(
             choose_layout,
             entries,
-            usable_cores(),
+            given.cores,
             num_workers=num_workers,
             learner_envs=own_given,
-            local=isinstance(launcher, LocalLauncher),
+            local=given.local,
             first_ready=batch_size is not None,
             replaces_workers=on_worker_failure != "raise" or recycle is not None,
             procs_per_worker=self.procs_per_worker,
@@ -332,8 +337,7 @@ class ClusterEnv(VectorEnv):
         self._buffers = built.buffers
         self._action_specs = leaf_specs(self.single_action_space) if is_array_tree(self.single_action_space) else None
         self._pool.on_restart(weak_callback(self._reset_replacement_in_flight))
-        local = isinstance(self._start_with.pool_kwargs["launcher"], LocalLauncher)
-        self._hint = None if layout.by_default or not local else LayoutHint(layout, self.num_envs, usable_cores())
+        self._hint = None if layout.by_default or not given.local else LayoutHint(layout, self.num_envs, given.cores)
         if self._pool.step_path is not None and self._action_specs is not None:
             self._lockstep = Lockstep(
                 self._pool,
@@ -383,7 +387,8 @@ class ClusterEnv(VectorEnv):
             )
         was_reset, moved = not self._needs_reset, self.learner_envs
         self.close_extras(terminate=False)
-        self._start(workers_only_layout(self.layout, len(self._start_with.pickled_fns), usable_cores(), mode))
+        given = self._start_with
+        self._start(workers_only_layout(self.layout, len(given.pickled_fns), given.cores, mode))
         logger.info(
             "%s: every env must be in a worker; the %d envs the learner stepped moved to the workers%s.",
             mode[0].upper() + mode[1:],
