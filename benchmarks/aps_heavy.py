@@ -38,7 +38,7 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parent
 sys.path[:0] = [str(ROOT), str(ROOT.parent)]  # aps_sweep's PPO; tests.netns for the namespace
-from aps_sweep import Agent, layer_init, train  # noqa: E402
+from aps_sweep import Agent, label, layer_init, train  # noqa: E402
 from aps_sweep import Args as SweepArgs  # noqa: E402
 from support.report import command_line  # noqa: E402
 
@@ -69,7 +69,7 @@ class Args(SweepArgs):
     links: tuple[str, ...] = ("100mbit", "1gbit")
     """link rates (tc's units), each a run of every cell and seed"""
     cells: tuple[str, ...] = tuple(f"{strategy}/{weights}" for strategy, weights in CELLS)
-    """strategy/weights pairs: every, fixed:N, aps:T / full, lossless, lossy"""
+    """strategy/weights pairs: every, fixed:N, aps:default, aps:T (aps_sweep.py's specs) / full, lossless, lossy"""
     seeds: list[int] = dataclasses.field(default_factory=lambda: [1, 2, 3])
     total_timesteps: int = 24_576
     num_envs: int = 8
@@ -114,6 +114,8 @@ def weights_option(name: str) -> str | LossyWeights:
 
 def strategy_label(spec: str) -> str:
     name, _, value = spec.partition(":")
+    if name == "aps" and not value.replace(".", "", 1).isdigit():
+        return label(spec)  # APS(), APS(updates=K), APS(T, "p95")
     return {"every": "EveryUpdate", "fixed": f"Fixed({value})", "aps": f"APS(eps={value})"}[name]
 
 

@@ -1,10 +1,12 @@
-# The cross-task report of the APS sweeps: does one APS threshold transfer across tasks where no single
-# FixedInterval(n) does, where are the pulls spent, and what divergence does each strategy act with?
+# The cross-task report of the APS sweeps: does one APS setting transfer across tasks where no single
+# FixedInterval(n) does, where are the pulls spent, and what divergence does each strategy act with? Three APS
+# families: an absolute bound on the mean KL (aps:T), one on its 95th percentile over the probe states
+# (aps:p95:T), and the default's bound relative to the learner's movement (aps:default, aps:xK).
 #
 # Reads the JSON files that `benchmarks/aps_sweep.py` wrote (one per task, the same strategies), writes
 # NAME.md (tables) and NAME_pareto.png (return against pulls, per task). The sweeps (about 2 h on 2 cores):
 #
-#   S="every fixed:2 fixed:4 fixed:8 aps:0.01 aps:0.05 aps:0.1"
+#   S="every fixed:2 fixed:4 fixed:8 aps:0.01 aps:0.05 aps:0.1 aps:default aps:x8 aps:p95:0.1"
 #   python benchmarks/aps_sweep.py --env-ids CartPole-v1 --strategies $S --seeds 1 2 3 4 5 6 7 8 --name aps_cartpole
 #   python benchmarks/aps_sweep.py --env-ids CartPole-v1 --strategies $S --seeds 1 2 3 4 5 6 7 8 --no-anneal-lr \
 #       --name aps_cartpole_constant_lr
@@ -25,24 +27,17 @@ import tyro
 from aps_sweep import label  # noqa: I001 (the sibling script)
 from support.report import command_line
 
+#: The five task settings, one sweep each: the regret is computed over all of them.
+TASK_SWEEPS = ("aps_cartpole", "aps_acrobot", "aps_lunarlander", "aps_pendulum", "aps_cartpole_constant_lr")
+
 
 @dataclass
 class Args:
-    sweeps: list[str] = field(
-        default_factory=lambda: [
-            "aps_cartpole",
-            "aps_acrobot",
-            "aps_lunarlander",
-            "aps_pendulum",
-            "aps_cartpole_constant_lr",
-        ]
-    )
+    sweeps: list[str] = field(default_factory=lambda: list(TASK_SWEEPS))
     """sweep names (NAME.json in results_dir), one task each"""
-    transfer: list[str] = field(
-        default_factory=lambda: ["aps_cartpole", "aps_acrobot", "aps_lunarlander", "aps_pendulum"]
-    )
-    """the sweeps the single-setting regret is computed over (one setting of learning-rate annealing); a sweep
-    that has not run all its (strategy, seed) runs yet is left out of it"""
+    transfer: list[str] = field(default_factory=lambda: list(TASK_SWEEPS))
+    """the sweeps the single-setting regret is computed over; a sweep that has not run all its (strategy, seed)
+    runs yet is left out of it"""
     results_dir: str = "benchmarks/results"
     """where the sweeps' JSON files are, and where the report goes"""
     name: str = "aps_report"
@@ -122,16 +117,62 @@ def summarize(results, strategies):
             "is_weight": curve_mean(runs, "is_weight") if all("is_weight" in r["curve"][0] for r in runs) else None,
             "clipfrac": curve_mean(runs, "clipfrac"),
             "early_pulls": early_pull_share(runs),
+            "bound_ratio": bound_ratio(spec, runs),
         }
     return rows
 
 
+def bound_ratio(spec, runs):
+    """The largest acting KL at a rollout start over the strategy's own bound there (≤ 1: the bound held).
+
+    An absolute bound is its threshold; a relative one is K times the learner's movement the decision used
+    (recorded as start_movements). None where there is no bound, or its movement was not recorded.
+    """
+    kind, value = family(spec)
+    if kind == "fixed":
+        return None
+    ratios = []
+    for r in runs:
+        movements = r.get("start_movements", [None] * len(r.get("start_kls", [])))
+        for kl, pulled, movement in zip(r.get("start_kls", []), r.get("start_pulled", []), movements, strict=True):
+            if kl is None or pulled:
+                continue
+            if kind == "relative":
+                if movement is None:
+                    return None
+                ratios.append(kl / (value * movement) if movement > 0 else (0.0 if kl == 0 else np.inf))
+            elif kind == "aps":
+                ratios.append(kl / value)
+    return max(ratios) if ratios else None
+
+
+#: The default's relative bound, as aps_sweep.py's aps:default makes it (APS()).
+DEFAULT_SPEC = "aps:default"
+
+FAMILY_NAMES = {
+    "fixed": "fixed interval",
+    "aps": "APS threshold (mean KL)",
+    "p95": "APS threshold on the p95 KL",
+    "relative": "APS bound relative to the learner's movement",
+}
+
+
 def family(spec):
-    """``("fixed", n)`` for EveryUpdate and FixedInterval(n), ``("aps", threshold)`` for APS."""
+    """``("fixed", n)``, ``("aps", threshold)``, ``("p95", threshold)`` or ``("relative", K)`` (aps:default: K = 4)."""
+    from clusterenv import APS
+
     name, _, value = spec.partition(":")
     if name == "every":
         return "fixed", 1
-    return name, float(value) if name == "aps" else int(value)
+    if name == "fixed":
+        return "fixed", int(value)
+    if value == "default":
+        return "relative", float(APS().updates)
+    if value.startswith("x"):
+        return "relative", float(value[1:])
+    if value.startswith(("p95:", "max:")):
+        return value.split(":")[0], float(value.split(":")[1])
+    return "aps", float(value)
 
 
 def regret_table(tasks, strategies):
@@ -143,6 +184,31 @@ def regret_table(tasks, strategies):
         for s, m in means.items():
             regret.setdefault(s, {})[task] = (best - m) / (best - worst) if best > worst else 0.0
     return regret
+
+
+def default_verdict(transfer, titles, regret, strategies):
+    """The issue's targets for the default, APS(): its regret, whether it is the best single setting, its pulls."""
+    if DEFAULT_SPEC not in regret or len(regret[DEFAULT_SPEC]) < len(transfer):
+        return []
+    values = [regret[DEFAULT_SPEC][t] for t in transfer]
+    worst = {
+        s: max(regret[s][t] for t in transfer) for s in strategies if s in regret and len(regret[s]) == len(transfer)
+    }
+    best = min(worst, key=worst.get)
+    lines = [
+        f"The default, APS(): worst regret **{max(values):.2f}** (target ≤ 0.30), mean **{np.mean(values):.2f}** "
+        f"(target ≤ 0.15); the best single setting by worst regret is {label(best)} ({worst[best]:.2f})"
+        + (", the default itself." if best == DEFAULT_SPEC else "."),
+        "",
+    ]
+    pulls = [
+        f"{titles[name]} {rows[DEFAULT_SPEC]['pulls']:.1f} against {rows['fixed:4']['pulls']:.1f}"
+        for name, rows in transfer.items()
+        if "fixed:4" in rows
+    ]
+    if pulls:
+        lines += [f"Its pulls per worker against FixedInterval(4)'s: {'; '.join(pulls)}.", ""]
+    return lines
 
 
 def fmt(value, digits=1):
@@ -176,15 +242,16 @@ def write(args, tasks, sweep_args, strategies, missing):
             + (f" **Incomplete: {missing[name]} of its runs have not run yet.**" if missing[name] else ""),
             "",
             "| strategy | final return | AUC | pulls/worker | weight MB | KL at rollout starts: mean / p95 / max "
-            "| KL before the decision, p95 | IS weight | clip fraction | early pulls |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| acting KL / bound, max | KL before the decision, p95 | IS weight | clip fraction | early pulls |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for spec, r in rows.items():
             kl_note = "" if r["kl_seeds"] == r["seeds"] else f" ({r['kl_seeds']} seeds)"
             lines.append(
                 f"| {label(spec)} | {fmt(r['final'])} ± {fmt(r['final_std'])} | {fmt(r['auc'])} | {fmt(r['pulls'])} "
                 f"| {fmt(r['weight_mb'], 2)} | {fmt(r['acting_mean'], 4)} / {fmt(r['acting_p95'], 4)} / "
-                f"{fmt(r['acting_max'], 3)}{kl_note} | {fmt(r['measured_p95'], 4)} | {fmt(r['is_weight'], 3)} "
+                f"{fmt(r['acting_max'], 3)}{kl_note} | {fmt(r['bound_ratio'], 2)} | {fmt(r['measured_p95'], 4)} "
+                f"| {fmt(r['is_weight'], 3)} "
                 f"| {fmt(r['clipfrac'], 3)} | {fmt(r['early_pulls'], 2)} |"
             )
         lines.append("")
@@ -217,12 +284,13 @@ def write(args, tasks, sweep_args, strategies, missing):
             best[fam] = (spec, max(values))
     lines += [""]
     for fam, (spec, worst) in sorted(best.items()):
-        lines.append(
-            f"- Best single {'APS threshold' if fam == 'aps' else 'fixed interval'}: {label(spec)}, worst-case regret {worst:.2f}."
-        )
+        lines.append(f"- Best single {FAMILY_NAMES[fam]}: {label(spec)}, worst-case regret {worst:.2f}.")
     lines.append("")
-    if "aps" in best and "fixed" in best:
-        a_spec, f_spec = best["aps"][0], best["fixed"][0]
+    lines += default_verdict(transfer, titles, regret, strategies)
+    aps_families = [fam for fam in best if fam != "fixed"]
+    if aps_families and "fixed" in best:
+        a_spec = min((best[fam] for fam in aps_families), key=lambda b: b[1])[0]
+        f_spec = best["fixed"][0]
         lines += [
             f"Per task, {label(a_spec)} against {label(f_spec)} and against the task's own best fixed interval:",
             "",
@@ -254,8 +322,15 @@ def plot(args, tasks, sweep_args):
 
     fig, axes = plt.subplots(1, len(tasks), figsize=(5.2 * len(tasks), 4.4), squeeze=False)
     for ax, (name, rows) in zip(axes[0], tasks.items(), strict=True):
-        for fam, marker, color in (("fixed", "s", "tab:blue"), ("aps", "o", "tab:red")):
+        for fam, marker, color in (
+            ("fixed", "s", "tab:blue"),
+            ("aps", "o", "tab:red"),
+            ("p95", "^", "tab:orange"),
+            ("relative", "D", "tab:green"),
+        ):
             specs = [s for s in rows if family(s)[0] == fam]
+            if not specs:
+                continue
             xs = [rows[s]["pulls"] for s in specs]
             ys = [rows[s]["final"] for s in specs]
             es = [rows[s]["final_se"] for s in specs]
@@ -266,7 +341,7 @@ def plot(args, tasks, sweep_args):
                 fmt=marker,
                 color=color,
                 capsize=3,
-                label="FixedInterval / EveryUpdate" if fam == "fixed" else "APS",
+                label="FixedInterval / EveryUpdate" if fam == "fixed" else FAMILY_NAMES[fam],
             )
             for s, x, y in zip(specs, xs, ys, strict=True):
                 ax.annotate(

@@ -62,7 +62,8 @@ class Args:
             "aps:0.05",
         ]
     )
-    """sync strategies: every, never, fixed:N (FixedInterval(N)), aps:T (APS(threshold=T))"""
+    """sync strategies: every, never, fixed:N (FixedInterval(N)), aps:default (APS()), aps:T (APS(threshold=T)),
+    aps:xK (APS(updates=K): K versions' worth of the learner's movement), aps:p95:T (APS(T, statistic="p95"))"""
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 7, 8])
     """seeds per strategy"""
     total_timesteps: int = 100_000
@@ -122,21 +123,41 @@ class Args:
     """skip training; redraw from the JSON in out_dir"""
 
 
+STRATEGY_SPECS = "every, never, fixed:N, aps:default, aps:T, aps:xK or aps:p95:T"
+
+
 def make_strategy(spec):
     name, _, value = spec.partition(":")
-    if name == "every":
-        return EveryUpdate()
-    if name == "never":
-        return Never()
-    if name == "fixed":
-        return FixedInterval(int(value))
-    if name == "aps":
-        return APS(threshold=float(value))
-    raise SystemExit(f"error: unknown strategy {spec!r}; use every, never, fixed:N or aps:T")
+    try:
+        if name == "every" and not value:
+            return EveryUpdate()
+        if name == "never" and not value:
+            return Never()
+        if name == "fixed":
+            return FixedInterval(int(value))
+        if name == "aps" and value == "default":
+            return APS()
+        if name == "aps" and value.startswith("x"):
+            return APS(updates=float(value[1:]))
+        if name == "aps" and value.startswith(("p95:", "max:")):
+            statistic, _, threshold = value.partition(":")
+            return APS(float(threshold), statistic=statistic)
+        if name == "aps":
+            return APS(threshold=float(value))
+    except ValueError:
+        pass
+    raise SystemExit(f"error: unknown strategy {spec!r}; use {STRATEGY_SPECS}")
 
 
 def label(spec):
     name, _, value = spec.partition(":")
+    if name == "aps" and value == "default":
+        return "APS()"
+    if name == "aps" and value.startswith("x"):
+        return f"APS(updates={value[1:]})"
+    if name == "aps" and value.startswith(("p95:", "max:")):
+        statistic, _, threshold = value.partition(":")
+        return f'APS({threshold}, "{statistic}")'
     return {"every": "EveryUpdate", "never": "Never", "fixed": f"FixedInterval({value})", "aps": f"APS({value})"}[name]
 
 
@@ -249,7 +270,7 @@ def train(args, envs, spec, seed, *, make_agent=Agent, weights=None):
     num_iterations = args.total_timesteps // batch_size
     global_step, start = 0, time.time()
     episodes, curve = [], []
-    starts = []  # per rollout and worker: (KL measured at its start, whether it pulled)
+    starts = []  # per rollout and worker: (KL measured at its start, whether it pulled, the learner's movement)
     for iteration in range(1, num_iterations + 1):
         if args.anneal_lr:
             optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * args.learning_rate
@@ -257,7 +278,7 @@ def train(args, envs, spec, seed, *, make_agent=Agent, weights=None):
         batch = runner.rollout(args.num_steps)
         for (checks, pulls), w in zip(before, runner.telemetry.workers, strict=True):
             if w.kl_checks > checks:
-                starts.append((w.last_kl, w.pulls > pulls))
+                starts.append((w.last_kl, w.pulls > pulls, w.movement))
         for t, _env, ret, _length in batch.episodes():
             episodes.append((global_step + (t + 1) * args.num_envs, ret))
         global_step += batch_size
@@ -370,8 +391,11 @@ def train(args, envs, spec, seed, *, make_agent=Agent, weights=None):
         "mean_kl": total.mean_kl,
         # KL(learner || worker's copy) on the probe states at each rollout start, before the pull decision, and
         # whether the worker then pulled (after a pull the copy that acts is the learner's policy: KL 0).
-        "start_kls": [kl for kl, _ in starts],
-        "start_pulled": [pulled for _, pulled in starts],
+        "start_kls": [kl for kl, _, _ in starts],
+        "start_pulled": [pulled for _, pulled, _ in starts],
+        # The learner's movement the decision used (APS() and APS(updates=K) only; None for the others).
+        "start_movements": [movement for _, _, movement in starts],
+        "pull_reasons": dict(total.pull_reasons),
         "wall_s": time.time() - start,
         "curve": curve,
     }

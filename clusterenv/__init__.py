@@ -47,6 +47,7 @@ if _typing.TYPE_CHECKING:  # the public names, each written once (``X as X``: re
     from clusterenv.policy.strategies import EveryUpdate as EveryUpdate
     from clusterenv.policy.strategies import FixedInterval as FixedInterval
     from clusterenv.policy.strategies import Never as Never
+    from clusterenv.policy.strategies import PullReason as PullReason
     from clusterenv.policy.strategies import SyncStrategy as SyncStrategy
     from clusterenv.policy.strategies import Telemetry as Telemetry
     from clusterenv.policy.strategies import WorkerTelemetry as WorkerTelemetry

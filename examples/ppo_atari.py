@@ -41,8 +41,9 @@ class Args:
     original), or `async` for `gym.vector.AsyncVectorEnv` (Gymnasium's one process per env)"""
     local_policy: bool = False
     """act with a copy of the CNN actor in each worker (clusterenv.PolicyRunner) instead of on the learner"""
-    aps_threshold: float = 0.01
-    """with --local-policy: a worker pulls new weights when KL(learner || its copy) exceeds this"""
+    aps_threshold: float | None = None
+    """with --local-policy: pull when KL(learner || a worker's copy) exceeds this many nats; default: APS(), which
+    pulls when the copy is 16 versions' worth of the learner's own movement behind"""
     prefetch: int = 0
     """with --local-policy: rollouts each worker collects ahead while the learner trains (0: lockstep)"""
     is_clip: float = 1.0
@@ -119,7 +120,7 @@ def check_args(args):
         )
     if args.local_policy and args.backend != "clusterenv":
         raise SystemExit("error: --local-policy runs the actor in clusterenv workers; it needs --backend clusterenv")
-    if args.local_policy and not args.aps_threshold > 0:
+    if args.local_policy and args.aps_threshold is not None and not args.aps_threshold > 0:
         raise SystemExit(f"error: --aps-threshold must be positive, got {args.aps_threshold}")
     if args.prefetch < 0 or (args.prefetch and not args.local_policy):
         raise SystemExit(f"error: --prefetch {args.prefetch} needs --local-policy and must not be negative")
@@ -281,7 +282,7 @@ if __name__ == "__main__":
         clusterenv.PolicyRunner(
             envs,
             actor,
-            clusterenv.APS(threshold=args.aps_threshold),
+            clusterenv.APS() if args.aps_threshold is None else clusterenv.APS(threshold=args.aps_threshold),
             seed=args.seed,
             prefetch=args.prefetch,
             device=device,  # the workers get CPU copies; the learner's KL probes run on `device`
@@ -463,5 +464,9 @@ if __name__ == "__main__":
     if runner is not None:
         runner.stop()
     envs.close()
-    mode = f"local policy, APS {args.aps_threshold}, prefetch {args.prefetch}" if args.local_policy else args.backend
+    mode = (
+        f"local policy, APS {args.aps_threshold or '(default)'}, prefetch {args.prefetch}"
+        if args.local_policy
+        else args.backend
+    )
     log.close(f"PPO {args.env_id} ({mode}, seed {args.seed}, {device})")

@@ -9,6 +9,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from clusterenv.policy.strategies import SyncStrategy
+
 
 class BiasPolicy(nn.Module):
     """Outputs ``bias`` for every observation: the KL between two copies has a closed form."""
@@ -121,3 +123,10 @@ def outputs(policy: nn.Module, obs) -> torch.Tensor:
     flat = torch.as_tensor(obs).reshape(-1, obs.shape[-1])
     with torch.no_grad():
         return policy(flat).reshape(*obs.shape[:-1], -1).numpy()
+
+
+class EveryOtherVersion(SyncStrategy):
+    """A user's strategy written against ``should_pull``'s three keywords: pull once two versions behind."""
+
+    def should_pull(self, *, local_version: int, learner_version: int, kl: float | None) -> bool:
+        return learner_version - local_version >= 2

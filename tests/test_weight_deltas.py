@@ -250,6 +250,7 @@ def test_lossy_deltas_whose_guard_always_trips_act_exactly_as_full_weights_do(fu
     assert_same_batches(batches, full_run[0])
     pulls = full_run[1].pulls  # each one lossy first, then exact
     assert total.guard_trips == pulls and total.delta_pulls == total.pulls == 2 * pulls
+    assert total.pull_reasons["repair"] == pulls, "each exact copy is counted as a repair"
 
 
 def test_lossy_deltas_within_their_guard_act_with_the_rebuilt_policy(full_run):

@@ -31,7 +31,7 @@ class LockstepRunner(PolicyRunner, prefetching=False):
         envs = self.envs
         if envs.needs_reset:
             envs.reset(seed=self.seed)
-        outputs = self._probe_outputs() if self.send_probes else [None] * envs.num_workers
+        outputs = self._probe_outputs(head) if self.send_probes else [None] * envs.num_workers
         meta = RolloutMeta(
             num_steps=num_steps, learner_version=self._version, head=head.to_meta(), probe_steps=self.probe_steps
         )
@@ -39,7 +39,10 @@ class LockstepRunner(PolicyRunner, prefetching=False):
             envs.note_cuts_reported(range(pool.num_workers))  # a moved worker's rollout starts new episodes, flagged
             for w, probe in enumerate(outputs):
                 # A replacement gets the policy again (the restart hook), then this rollout on its fresh envs.
-                pool.send(w, Kind.ROLLOUT, meta, [] if probe is None else [probe], on_loss=OnLoss.REPLAY)
+                worker_meta = RolloutMeta(**meta)
+                if (movement := self._movement_of(w)) is not None:
+                    worker_meta["movement"] = movement
+                pool.send(w, Kind.ROLLOUT, worker_meta, [] if probe is None else [probe], on_loss=OnLoss.REPLAY)
                 if probe is not None:
                     self._telemetry.workers[w].probe_bytes += probe.nbytes
             replies = pool.gather(

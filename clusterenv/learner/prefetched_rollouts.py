@@ -215,6 +215,8 @@ class PrefetchingRunner(PolicyRunner, prefetching=True):
         if outputs is None:
             outputs = self._learner.outputs(unflatten(self.envs.single_observation_space, obs))
         meta = ProbeMeta(rollout_id=rollout_id, version=self._version)
+        if (movement := self._movement_of(worker_id)) is not None:
+            meta["movement"] = movement
         self.envs.pool.send(worker_id, Kind.PROBE, meta, [outputs])
         self._telemetry.workers[worker_id].probe_bytes += outputs.nbytes
 

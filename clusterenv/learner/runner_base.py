@@ -20,6 +20,7 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 
 from clusterenv.errors import PolicyError, ProtocolError
+from clusterenv.learner.movement import LearnerMovement
 from clusterenv.learner.pool import FollowUp, OnLoss, WorkerPool, weak_callback
 from clusterenv.learner.rollout_batch import RolloutBatch
 from clusterenv.learner.step_buffers import restarted_records
@@ -217,6 +218,11 @@ class PolicyRunner(abc.ABC):
         # Per worker, its latest probe states: one array per observation leaf, (states, *leaf_shape).
         self._probe_obs: list[list[np.ndarray] | None] = [None] * envs.num_workers
         self._telemetry = Telemetry([WorkerTelemetry(w) for w in range(envs.num_workers)])
+        self._movement: LearnerMovement | None = None
+        if sync.needs_movement:
+            previous = LocalPolicy(self._architecture, self._names, self._weights, version=0)
+            previous.to(self._device)
+            self._movement = LearnerMovement(previous, self._telemetry)
         pool = envs.pool
         self._shipments = WeightShipments(weights_spec, self._telemetry, lambda w: pool.members.host(w))
         self._ship(cloudpickle.dumps(sync))
@@ -287,6 +293,8 @@ class PolicyRunner(abc.ABC):
                     f"The published tensor `{name}` has shape {new.shape} and dtype {new.dtype}, but the shipped one "
                     f"has {old.shape} and {old.dtype}; publish a module with the same architecture."
                 )
+        if self._movement is not None:
+            self._movement.replacing(self._learner.module, self._version)
         self._version += 1
         self._weights = weights
         self._learner.copy_from(source, self._version)
@@ -370,22 +378,33 @@ class PolicyRunner(abc.ABC):
             raise ValueError(f"`num_steps` must be a positive integer, got {num_steps!r}.")
 
     # -- learner-side probes and pulls ------------------------------------------------------
-    def _probe_outputs(self) -> list[np.ndarray | None]:
-        """The latest version's outputs on each worker's probe states, in one forward pass."""
+    def _probe_outputs(self, head: Head | None = None) -> list[np.ndarray | None]:
+        """The latest version's outputs on each worker's probe states, in one forward pass.
+
+        Where the strategy needs the learner's movement, it is measured on the same states
+        (with ``head``, default ``self.head``).
+        """
         present = [obs for obs in self._probe_obs if obs is not None]
         if not present:
             return [None] * len(self._probe_obs)
         leaves = [np.concatenate(leaf) for leaf in zip(*present, strict=True)]
-        flat = self._learner.outputs(unflatten(self.envs.single_observation_space, leaves))
-        result: list[np.ndarray | None] = []
+        obs_tree = unflatten(self.envs.single_observation_space, leaves)
+        flat = self._learner.outputs(obs_tree)
+        slices: list[slice | None] = []
         start = 0
         for obs in self._probe_obs:
             if obs is None:
-                result.append(None)
+                slices.append(None)
             else:
-                result.append(flat[start : start + len(obs[0])])
+                slices.append(slice(start, start + len(obs[0])))
                 start += len(obs[0])
-        return result
+        if self._movement is not None:
+            self._movement.measure(self.head if head is None else head, obs_tree, flat, slices, self._version)
+        return [None if rows is None else flat[rows] for rows in slices]
+
+    def _movement_of(self, worker_id: int) -> float | None:
+        """The learner's movement for worker ``worker_id``'s KL check (None: not needed, or not known yet)."""
+        return None if self._movement is None else self._movement.of(worker_id)
 
     def _answer_pull(self, worker_id: int, msg: Message) -> bool:
         if msg.kind is not Kind.WEIGHTS_REQUEST:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from clusterenv.policy.deltas import LossyWeights, WeightsSpec, digest, encode_delta
-from clusterenv.policy.strategies import Telemetry
+from clusterenv.policy.strategies import PullReason, Telemetry
 from clusterenv.wire.messages import WeightsMeta, WeightsRequestMeta
 
 __all__ = ["WeightShipments"]
@@ -147,6 +147,7 @@ class WeightShipments:
             passed.append(record.digest)
         self._held[worker_id] = state
         telemetry.pulls += 1
+        telemetry.pull_reasons[PullReason.PUSH.value if request is None else request.get("reason", "unknown")] += 1
         telemetry.weight_bytes += sum(frame.nbytes for frame in frames)
         return meta, frames
 

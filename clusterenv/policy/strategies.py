@@ -16,6 +16,11 @@ The direction weights the log-ratio by the *learner's* distribution: it is large
 learner now favours actions that the acting copy makes unlikely, which is what blows up
 the importance ratios ``π_learner / π_local`` of an off-policy-corrected update.
 
+The learner's *movement* is its own per-version change on the same probe states,
+``KL(π_v ‖ π_{v-1})``, averaged over a worker's probe states and smoothed over versions
+(:data:`MOVEMENT_SMOOTHING`). The default :class:`APS` compares the copy's divergence with it,
+so its one setting is in units every task shares: versions' worth of the learner's own change.
+
 Every strategy answers one question, in the worker, once per rollout: pull now or not.
 """
 
@@ -24,6 +29,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import ClassVar
 
 import numpy as np
@@ -33,6 +39,9 @@ from clusterenv.policy.heads import Head, kl_divergence
 
 __all__ = [
     "APS",
+    "DEFAULT_UPDATES",
+    "MOVEMENT_SMOOTHING",
+    "PullReason",
     "EveryUpdate",
     "FixedInterval",
     "Never",
@@ -42,6 +51,7 @@ __all__ = [
     "kl_divergence",
     "mean_kl",
     "probe_rows",
+    "state_kls",
 ]
 
 
@@ -55,14 +65,40 @@ def probe_rows(leaves: list[np.ndarray], probe_steps: int) -> list[np.ndarray]:
     return [leaf[len(leaf) - probe :].reshape(-1, *leaf.shape[2:]).copy() for leaf in leaves]
 
 
-def mean_kl(head: Head, learner_outputs: np.ndarray, local_outputs: np.ndarray) -> float:
-    """``KL(π_learner ‖ π_local)`` averaged over the rows (probe states) of both output arrays, by ``head.kl``."""
+def state_kls(head: Head, learner_outputs: np.ndarray, local_outputs: np.ndarray) -> np.ndarray:
+    """``KL(π_learner ‖ π_local)`` on each row (probe state) of both output arrays, by ``head.kl``."""
     if learner_outputs.shape != local_outputs.shape:
         raise PolicyError(
             f"Learner outputs have shape {learner_outputs.shape} but the worker's probe outputs have shape "
             f"{local_outputs.shape}; both must be (probe states, outputs per state)."
         )
-    return float(np.mean(head.kl(learner_outputs, local_outputs)))
+    return np.asarray(head.kl(learner_outputs, local_outputs))
+
+
+def mean_kl(head: Head, learner_outputs: np.ndarray, local_outputs: np.ndarray) -> float:
+    """``KL(π_learner ‖ π_local)`` averaged over the rows (probe states) of both output arrays."""
+    return float(np.mean(state_kls(head, learner_outputs, local_outputs)))
+
+
+#: The default :class:`APS` bound: the copy may drift this many versions' worth of the learner's movement.
+DEFAULT_UPDATES = 16.0
+#: The weight of the previous estimate in the learner's movement (an exponential moving average over versions).
+MOVEMENT_SMOOTHING = 0.8
+
+
+class PullReason(str, Enum):
+    """Why a worker pulled weights, as the telemetry counts it (``WorkerTelemetry.pull_reasons``)."""
+
+    #: No KL could be measured yet (the first rollout), and the copy was behind.
+    BEHIND = "behind"
+    #: The measured KL crossed the strategy's bound (APS).
+    DIVERGENCE = "divergence"
+    #: The version schedule said so (EveryUpdate, FixedInterval).
+    SCHEDULE = "schedule"
+    #: A lossy delta moved the copy past its guard, or a delta could not be rebuilt: an exact copy.
+    REPAIR = "repair"
+    #: A prefetching learner pushed a version to a strategy that pulls every version.
+    PUSH = "push"
 
 
 class SyncStrategy:
@@ -70,15 +106,30 @@ class SyncStrategy:
 
     ``needs_kl`` tells the learner to send its outputs on the worker's probe states; a
     strategy that does not need them may still receive them so the KL is logged.
+    ``needs_movement`` tells it to also measure its own per-version change on those states,
+    which then reaches :meth:`should_pull` as ``movement``.
     """
 
     needs_kl: ClassVar[bool] = False
     #: Pulls every new version as soon as it hears of it: a prefetching learner pushes versions instead.
     pulls_every_version: ClassVar[bool] = False
 
+    @property
+    def needs_movement(self) -> bool:
+        """Whether :meth:`should_pull` takes the learner's movement (a ``movement`` keyword)."""
+        return False
+
     def should_pull(self, *, local_version: int, learner_version: int, kl: float | None) -> bool:
         """Whether to pull, given the acting copy's version, the learner's, and the measured KL (None if unmeasured)."""
         raise NotImplementedError
+
+    def reason(self, kl: float | None) -> PullReason:
+        """Why a pull this strategy decided on happened (for the telemetry)."""
+        return PullReason.BEHIND if kl is None and self.needs_kl else PullReason.SCHEDULE
+
+    def divergence(self, per_state: np.ndarray) -> float:
+        """The KL :meth:`should_pull` is given, from the KL on each probe state: their mean."""
+        return float(np.mean(per_state))
 
 
 @dataclass(frozen=True)
@@ -126,29 +177,97 @@ class FixedInterval(SyncStrategy):
 
 @dataclass(frozen=True)
 class APS(SyncStrategy):
-    """Adaptive Policy Synchronization: pull exactly when the measured KL exceeds ``threshold``.
+    """Adaptive Policy Synchronization: pull when the copy's KL from the learner crosses a bound.
 
     The KL is ``KL(π_learner ‖ π_local)`` averaged over the worker's probe states (see the
     module docstring). Before the first rollout nothing can be measured; then the worker
     pulls only if the learner has already published a newer version.
 
+    ``APS()`` bounds the KL relative to the learner's own movement: a worker pulls once its
+    copy is more than ``updates`` versions' worth of the learner's recent per-version change
+    behind, ``KL > updates × movement``, both measured on the same probe states. The bound's
+    unit is the task's own step size, so one setting serves tasks whose policies move at
+    very different rates. ``APS(threshold)`` bounds the KL absolutely, in nats.
+
+    What it guarantees: at every lockstep rollout start, after the decision, the acting
+    copy's KL on the worker's probe states is at most the bound (``updates × movement``
+    nats, or ``threshold``). It bounds nothing on other states, nor the lag in versions; as
+    the learner stops moving (a learning rate annealed to 0) the relative bound shrinks with
+    it, and the copy follows the learner closely. Why this default, measured on five PPO
+    task settings: docs/aps-evidence.md.
+
     Args:
-        threshold: a positive, finite KL in nats.
+        threshold: an absolute bound, a positive finite KL in nats; exclusive with ``updates``.
+        updates: the relative bound, a positive finite number of versions' worth of movement;
+            default :data:`DEFAULT_UPDATES` when ``threshold`` is not given.
+        statistic: how the probe states' KLs make the one compared with an absolute ``threshold``:
+            ``"mean"`` (default), ``"p95"`` (their 95th percentile) or ``"max"``. The relative
+            bound compares means, as the learner's movement is one.
     """
 
-    threshold: float
+    threshold: float | None = None
+    updates: float | None = None
+    statistic: str = "mean"
     needs_kl: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        value = self.threshold
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-            raise PolicyError(f"`threshold` must be a positive finite KL (nats), got {value!r}.")
+        if self.threshold is not None and self.updates is not None:
+            raise PolicyError(
+                f"APS takes an absolute `threshold` or a relative `updates`, not both "
+                f"(got threshold={self.threshold!r}, updates={self.updates!r})."
+            )
+        if self.statistic not in _STATISTICS:
+            raise PolicyError(f"`statistic` must be one of {sorted(_STATISTICS)}, got {self.statistic!r}.")
+        if self.threshold is not None:
+            _check_positive("threshold", self.threshold, "KL (nats)")
+        else:
+            if self.statistic != "mean":
+                raise PolicyError(
+                    f"statistic={self.statistic!r} needs an absolute `threshold`: the relative bound compares means."
+                )
+            if self.updates is None:
+                object.__setattr__(self, "updates", DEFAULT_UPDATES)
+            _check_positive("updates", self.updates, "number of versions' worth of the learner's movement")
 
-    def should_pull(self, *, local_version: int, learner_version: int, kl: float | None) -> bool:
-        """``kl > threshold``; without a measurement, whether the copy is behind."""
-        if kl is None:
+    @property
+    def needs_movement(self) -> bool:
+        """The relative bound needs the learner's movement."""
+        return self.threshold is None
+
+    def bound(self, movement: float | None) -> float | None:
+        """The KL above which the worker pulls (None: not known yet, without the learner's movement)."""
+        if self.threshold is not None:
+            return self.threshold
+        return None if movement is None else float(self.updates) * movement  # type: ignore[arg-type]
+
+    def should_pull(
+        self, *, local_version: int, learner_version: int, kl: float | None, movement: float | None = None
+    ) -> bool:
+        """``kl > bound``; without a measurement, whether the copy is behind."""
+        bound = self.bound(movement)
+        if kl is None or bound is None:
             return learner_version > local_version
-        return kl > self.threshold
+        return kl > bound
+
+    def reason(self, kl: float | None) -> PullReason:
+        """Divergence once a KL was measured, else the copy was behind."""
+        return PullReason.BEHIND if kl is None else PullReason.DIVERGENCE
+
+    def divergence(self, per_state: np.ndarray) -> float:
+        """The probe states' KLs reduced by :attr:`statistic`."""
+        return _STATISTICS[self.statistic](per_state)
+
+
+_STATISTICS = {
+    "mean": lambda kls: float(np.mean(kls)),
+    "p95": lambda kls: float(np.quantile(kls, 0.95)),
+    "max": lambda kls: float(np.max(kls)),
+}
+
+
+def _check_positive(name: str, value: object, unit: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise PolicyError(f"`{name}` must be a positive finite {unit}, got {value!r}.")
 
 
 @dataclass
@@ -168,6 +287,9 @@ class WorkerTelemetry:
         last_kl: the latest measured KL, or None.
         kl_sum: sum of the measured KLs (``mean_kl`` divides it by ``kl_checks``).
         lag_counts: env steps acted at each policy lag (learner version minus acting version).
+        pull_reasons: pulls by :class:`PullReason` value (they add up to ``pulls``).
+        movement: the learner's latest movement on this worker's probe states (see the module
+            docstring), or None where no strategy needed it.
     """
 
     worker_id: int
@@ -182,6 +304,8 @@ class WorkerTelemetry:
     last_kl: float | None = None
     kl_sum: float = 0.0
     lag_counts: Counter[int] = field(default_factory=Counter)
+    pull_reasons: Counter[str] = field(default_factory=Counter)
+    movement: float | None = None
 
     @property
     def mean_kl(self) -> float | None:
@@ -220,7 +344,7 @@ class Telemetry:
 
     @property
     def total(self) -> WorkerTelemetry:
-        """Sums over workers; ``last_kl`` is the mean of the workers' last KLs."""
+        """Sums over workers; ``last_kl`` and ``movement`` are the means of the workers' latest."""
         total = WorkerTelemetry(worker_id=-1)
         last = [w.last_kl for w in self.workers if w.last_kl is not None]
         for w in self.workers:
@@ -234,7 +358,10 @@ class Telemetry:
             total.kl_checks += w.kl_checks
             total.kl_sum += w.kl_sum
             total.lag_counts.update(w.lag_counts)
+            total.pull_reasons.update(w.pull_reasons)
         total.last_kl = float(np.mean(last)) if last else None
+        movements = [w.movement for w in self.workers if w.movement is not None]
+        total.movement = float(np.mean(movements)) if movements else None
         return total
 
     def summary(self) -> dict[str, float]:
@@ -249,7 +376,15 @@ class Telemetry:
             "sync/probe_bytes": total.probe_bytes,
             "sync/learner_version": self.learner_version,
         }
-        for name, value in (("last_kl", total.last_kl), ("mean_kl", total.mean_kl), ("mean_lag", total.mean_lag)):
+        for reason in PullReason:
+            out[f"sync/pulls_{reason.value}"] = total.pull_reasons[reason.value]
+        measured = (
+            ("last_kl", total.last_kl),
+            ("mean_kl", total.mean_kl),
+            ("mean_lag", total.mean_lag),
+            ("movement", total.movement),
+        )
+        for name, value in measured:
             if value is not None:
                 out[f"sync/{name}"] = value
         return out

@@ -155,6 +155,7 @@ class RolloutMeta(Empty):
     learner_version: int
     head: dict[str, Any]
     probe_steps: int
+    movement: NotRequired[float]  # the learner's movement on the worker's probe states, where the strategy needs it
 
 
 class RolloutAheadMeta(RolloutMeta):
@@ -169,6 +170,7 @@ class ProbeMeta(Empty):
 
     rollout_id: int
     version: int
+    movement: NotRequired[float]  # as in RolloutMeta
 
 
 class WelcomeMeta(Empty):
@@ -260,6 +262,7 @@ class WeightsRequestMeta(Empty):
     version: int
     held: bytes | None  # the digest of the weights the worker holds (None: it cannot take a delta)
     exact: bool  # a lossy delta tripped the worker's guard: it wants exact weights
+    reason: NotRequired[str]  # a PullReason value: why the worker pulls
 
 
 _META: dict[Kind, type] = {

@@ -35,7 +35,7 @@ from gymnasium.vector import AutoresetMode
 
 from clusterenv.errors import PolicyError
 from clusterenv.policy.heads import Head, head_from_meta
-from clusterenv.policy.strategies import EveryUpdate, SyncStrategy, mean_kl, probe_rows
+from clusterenv.policy.strategies import EveryUpdate, PullReason, SyncStrategy, mean_kl, probe_rows, state_kls
 from clusterenv.wire.infos import pack_infos
 from clusterenv.wire.leaves import is_array_tree, leaf_arrays, unflatten
 from clusterenv.wire.messages import (
@@ -76,10 +76,10 @@ class _WorkerPolicy:
         # Prefetch mode: the probe states of recent rollouts by id (an array, or a dict/tuple tree of
         # them), the learner's latest outputs on one of them, and whether a pull is on its way.
         self.probe_obs: dict[int, Any] = {}
-        self.learner_probe: tuple[int, int, np.ndarray] | None = None
-        # The outstanding pull's call number and flags (None: no pull on its way): a pull sent in a
+        self.learner_probe: tuple[int, int, np.ndarray, float | None] | None = None
+        # The outstanding pull's call number, flags and reason (None: no pull on its way): a pull sent in a
         # call the learner has since ended (its runner's stop()) was dropped there, and is asked again.
-        self.asked: tuple[Any, bool, bool] | None = None
+        self.asked: tuple[Any, bool, bool, PullReason] | None = None
         # The digest of the weights held (the base a delta names); the last rollout's probe states
         # (lockstep), and a lossy version whose guard still waits for the learner's outputs (prefetch).
         self.digest: bytes | None = None
@@ -117,30 +117,46 @@ class _WorkerPolicy:
         meta = meta_of(msg, RolloutMeta)
         request: dict[str, Any] = {**meta, "head": head_from_meta(meta["head"]), "kl": None}
         request["learner_outputs"] = msg.arrays[0] if msg.arrays else None
+        divergence = None
         if msg.arrays and self.probe_outputs is not None:
-            request["kl"] = mean_kl(request["head"], msg.arrays[0], self.probe_outputs)
-        pull = self.strategy.should_pull(
-            local_version=self.policy.version, learner_version=meta["learner_version"], kl=request["kl"]
-        )
-        if pull:
+            request["kl"], divergence = self._measure(request["head"], msg.arrays[0], self.probe_outputs)
+        if self._should_pull(meta["learner_version"], divergence, meta.get("movement")):
             self.pending = request
-            return self._request(request["kl"])
+            return self._request(request["kl"], reason=self.strategy.reason(divergence))
         return self._act(request)
+
+    def _measure(self, head: Head, learner_outputs: np.ndarray, local_outputs: np.ndarray) -> tuple[float, float]:
+        """The mean KL over the probe states (reported), and the strategy's statistic of them (decided on)."""
+        per_state = state_kls(head, learner_outputs, local_outputs)
+        return float(np.mean(per_state)), self.strategy.divergence(per_state)
+
+    def _should_pull(self, learner_version: int, kl: float | None, movement: float | None) -> bool:
+        """The strategy's answer; the learner's movement goes only to a strategy that takes it."""
+        assert self.policy is not None
+        local_version = self.policy.version
+        if self.strategy.needs_movement:
+            return self.strategy.should_pull(  # type: ignore[call-arg]
+                local_version=local_version, learner_version=learner_version, kl=kl, movement=movement
+            )
+        return self.strategy.should_pull(local_version=local_version, learner_version=learner_version, kl=kl)
 
     @property
     def pull_outstanding(self) -> bool:
         """Prefetch mode: a pull was sent and its answer has not been loaded yet."""
         return self.asked is not None
 
-    def _ask(self, kl: float | None, *, held: bool = True, exact: bool = False) -> None:
+    def _ask(self, kl: float | None, reason: PullReason, *, held: bool = True, exact: bool = False) -> None:
         """Prefetch mode: send a pull without waiting for it (the answer is a PUSH_WEIGHTS, taken between steps)."""
-        self.asked = (self.worker.mailbox.seq, held, exact)
-        self.worker.send(self._request(kl, held=held, exact=exact))
+        self.asked = (self.worker.mailbox.seq, held, exact, reason)
+        self.worker.send(self._request(kl, reason=reason, held=held, exact=exact))
 
-    def _request(self, kl: float | None, *, held: bool = True, exact: bool = False) -> Message:
+    def _request(self, kl: float | None, *, reason: PullReason, held: bool = True, exact: bool = False) -> Message:
         """A WEIGHTS_REQUEST; ``held=False`` when the weights held cannot be a delta's base (ask for a full copy)."""
         assert self.policy is not None
-        meta = WeightsRequestMeta(kl=kl, version=self.policy.version, held=self.digest if held else None, exact=exact)
+        held_digest = self.digest if held else None
+        meta = WeightsRequestMeta(
+            kl=kl, version=self.policy.version, held=held_digest, exact=exact, reason=reason.value
+        )
         return Message(Kind.WEIGHTS_REQUEST, meta)
 
     def rollout_ahead(self, msg: Message) -> Message:
@@ -151,20 +167,20 @@ class _WorkerPolicy:
         request: dict[str, Any] = {**meta, "head": head_from_meta(meta["head"]), "kl": None}
         mailbox = self.worker.mailbox
         mailbox.poll()  # the latest probe outputs and any weights that came while this rollout was queued
-        learner_version = int(request["learner_version"])
+        learner_version, movement, divergence = int(request["learner_version"]), None, None
         if self.learner_probe is not None and self.learner_probe[0] in self.probe_obs:
-            rollout_id, version, outputs = self.learner_probe
+            rollout_id, version, outputs, movement = self.learner_probe
             learner_version = max(learner_version, version)
             # The same states on both sides: the learner's latest outputs against this copy's outputs now.
-            request["kl"] = mean_kl(request["head"], outputs, self.policy.outputs(self.probe_obs[rollout_id]))
-        pull = self.strategy.should_pull(
-            local_version=self.policy.version, learner_version=learner_version, kl=request["kl"]
-        )
+            local = self.policy.outputs(self.probe_obs[rollout_id])
+            request["kl"], divergence = self._measure(request["head"], outputs, local)
+        pull = self._should_pull(learner_version, divergence, movement)
         self.head = request["head"]
         if self.asked is not None and self.asked[0] != mailbox.seq:
-            self._ask(request["kl"], held=self.asked[1], exact=self.asked[2])
+            _, held, exact, reason = self.asked
+            self._ask(request["kl"], reason, held=held, exact=exact)
         if pull and not self.pull_outstanding:
-            self._ask(request["kl"])
+            self._ask(request["kl"], self.strategy.reason(divergence))
         reply = self._act(request, between_steps=mailbox.poll)
         rollout_id = int(request["rollout_id"])
         self.probe_obs[rollout_id] = self.probe_states  # this rollout's probe states, as _act kept them
@@ -175,7 +191,7 @@ class _WorkerPolicy:
     def probe(self, msg: Message) -> None:
         """The learner's latest outputs on the probe states of one of this worker's rollouts (prefetch mode)."""
         meta = meta_of(msg, ProbeMeta)
-        self.learner_probe = (int(meta["rollout_id"]), int(meta["version"]), msg.arrays[0])
+        self.learner_probe = (int(meta["rollout_id"]), int(meta["version"]), msg.arrays[0], meta.get("movement"))
         self._check_pushed()
 
     def set_weights(self, msg: Message) -> Message:
@@ -189,12 +205,12 @@ class _WorkerPolicy:
         meta = meta_of(msg, WeightsMeta)
         request = self.pending
         if not self._take(msg):
-            return self._request(None if request is None else request["kl"], held=False)
+            return self._request(None if request is None else request["kl"], reason=PullReason.REPAIR, held=False)
         if request is not None and "guard_kl" in meta and request["learner_outputs"] is not None:
             if meta["version"] == request["learner_version"] and self.probe_states is not None:
                 kl = mean_kl(request["head"], request["learner_outputs"], self.policy.outputs(self.probe_states))
                 if kl > meta["guard_kl"]:
-                    return self._request(request["kl"], exact=True)
+                    return self._request(request["kl"], reason=PullReason.REPAIR, exact=True)
         self.pending = None
         return Message(Kind.VALUE) if request is None else self._act(request)
 
@@ -208,7 +224,7 @@ class _WorkerPolicy:
             raise PolicyError("PUSH_WEIGHTS before SET_POLICY: this worker holds no policy.")
         meta = meta_of(msg, WeightsMeta)
         if not self._take(msg):
-            self._ask(None, held=False)
+            self._ask(None, PullReason.REPAIR, held=False)
             return
         self.asked = None
         self.unguarded = (meta["version"], meta["guard_kl"]) if "guard_kl" in meta else None
@@ -243,13 +259,13 @@ class _WorkerPolicy:
         if self.unguarded is None or self.learner_probe is None or self.head is None:
             return
         version, guard_kl = self.unguarded
-        rollout_id, probe_version, outputs = self.learner_probe
+        rollout_id, probe_version, outputs, _ = self.learner_probe
         if probe_version != version or rollout_id not in self.probe_obs:
             return
         assert self.policy is not None
         self.unguarded = None
         if mean_kl(self.head, outputs, self.policy.outputs(self.probe_obs[rollout_id])) > guard_kl:
-            self._ask(None, exact=True)
+            self._ask(None, PullReason.REPAIR, exact=True)
 
     def _act(self, request: dict[str, Any], between_steps: Callable[[], None] | None = None) -> Message:
         """Act ``num_steps`` steps; the ROLLOUT_RESULT.
