@@ -241,6 +241,24 @@ def advantages_and_returns(args, batch, values, next_value):
     return advantages, advantages + values
 
 
+def make_envs(args, env_id):
+    """Fresh envs for one run: a wrapper's running statistics (NormalizeReward's) must not carry into the next run."""
+    wrappers = [gym.wrappers.RecordEpisodeStatistics]
+    if isinstance(gym.spec(env_id).make().action_space, gym.spaces.Box):
+        # ppo_continuous.py's reward scaling (returns are recorded before it, unscaled).
+        wrappers.append(functools.partial(gym.wrappers.NormalizeReward, gamma=args.gamma))
+    return clusterenv.make_vec(
+        env_id, num_envs=args.num_envs, vector_kwargs={"num_workers": args.num_workers}, wrappers=wrappers
+    )
+
+
+def solved_header(threshold):
+    """The table's column for steps to solve; a task with no known threshold (no --solved-return) has none."""
+    if np.isfinite(threshold):
+        return f"steps to {threshold:g} (solved seeds)"
+    return "steps to solve (no --solved-return)"
+
+
 def solved_return(args, envs):
     if args.solved_return is not None:
         return args.solved_return
@@ -442,7 +460,7 @@ def write_report(args, results):
         lines += [
             f"## {env_id}",
             "",
-            f"| strategy | final return | steps to {rows[0].get('solved_return', 475.0):g} (solved seeds) | pulls/worker "
+            f"| strategy | final return | {solved_header(rows[0].get('solved_return', 475.0))} | pulls/worker "
             "| pull reduction vs EveryUpdate "
             "| weight MB (+ probe MB) | mean lag | lag 0 / 1 / 2 / 3+ (% of steps) | mean KL |",
             "|---|---|---|---|---|---|---|---|---|",
@@ -453,6 +471,8 @@ def write_report(args, results):
                 continue
             solved = [r["solved_at"] for r in runs if r["solved_at"] is not None]
             solved_text = f"{np.mean(solved):,.0f} ({len(solved)}/{len(runs)})" if solved else f"never (0/{len(runs)})"
+            if not np.isfinite(rows[0].get("solved_return", 475.0)):
+                solved_text = "n/a"
             pulls = np.mean([r["pulls_per_worker"] for r in runs])
             reduction = f"{np.mean(every) / pulls:.1f}x" if every and pulls else "n/a"
             weight_mb = np.mean([r["weight_bytes"] for r in runs]) / 1e6
@@ -555,39 +575,27 @@ def main():
                 results = json.load(f)["results"]
         done = {(r["env_id"], r["strategy"], r["seed"]) for r in results}
         for env_id in args.env_ids:
-            wrappers = [gym.wrappers.RecordEpisodeStatistics]
-            if isinstance(gym.spec(env_id).make().action_space, gym.spaces.Box):
-                # ppo_continuous.py's reward scaling (returns are recorded before it, unscaled).
-                wrappers.append(functools.partial(gym.wrappers.NormalizeReward, gamma=args.gamma))
-            envs = clusterenv.make_vec(
-                env_id,
-                num_envs=args.num_envs,
-                vector_kwargs={"num_workers": args.num_workers},
-                wrappers=wrappers,
-            )
-            try:
-                for seed in args.seeds:
-                    for spec in args.strategies:
-                        if (env_id, spec, seed) in done:
-                            continue
+            for seed in args.seeds:
+                for spec in args.strategies:
+                    if (env_id, spec, seed) in done:
+                        continue
+                    with make_envs(args, env_id) as envs:
                         result = train(args, envs, spec, seed)
-                        result["env_id"] = env_id
-                        results.append(result)
-                        log.info(
-                            "%s %-16s seed %d: final %s, solved at %s, %.0f pulls/worker, lag %.2f, %.0f s",
-                            env_id,
-                            label(spec),
-                            seed,
-                            result["final_return"],
-                            result["solved_at"],
-                            result["pulls_per_worker"],
-                            result["mean_lag"],
-                            result["wall_s"],
-                        )
-                        with open(json_path, "w") as f:
-                            json.dump({"args": asdict(args), "results": results}, f)
-            finally:
-                envs.close()
+                    result["env_id"] = env_id
+                    results.append(result)
+                    log.info(
+                        "%s %-16s seed %d: final %s, solved at %s, %.0f pulls/worker, lag %.2f, %.0f s",
+                        env_id,
+                        label(spec),
+                        seed,
+                        result["final_return"],
+                        result["solved_at"],
+                        result["pulls_per_worker"],
+                        result["mean_lag"],
+                        result["wall_s"],
+                    )
+                    with open(json_path, "w") as f:
+                        json.dump({"args": asdict(args), "results": results}, f)
         log.info("Sweep took %.1f min.", (time.time() - sweep_start) / 60)
     log.info("Wrote %s, %s", write_report(args, results), ", ".join(plot(args, results)))
 

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from clusterenv.policy.strategies import SyncStrategy
+from clusterenv.policy.strategies import APS, SyncStrategy
 
 
 class BiasPolicy(nn.Module):
@@ -130,3 +130,10 @@ class EveryOtherVersion(SyncStrategy):
 
     def should_pull(self, *, local_version: int, learner_version: int, kl: float | None) -> bool:
         return learner_version - local_version >= 2
+
+
+class OwnAPS(APS):
+    """A user's APS subclass whose ``should_pull`` predates the ``movement`` keyword."""
+
+    def should_pull(self, *, local_version: int, learner_version: int, kl: float | None) -> bool:
+        return super().should_pull(local_version=local_version, learner_version=learner_version, kl=kl)

@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from clusterenv import APS, ClusterEnv, EveryUpdate, PolicyError, PolicyRunner, PullReason
-from clusterenv.policy.strategies import DEFAULT_UPDATES, MOVEMENT_SMOOTHING
-from tests.policies import BiasPolicy, EveryOtherVersion, linear_policy
+from clusterenv.learner.movement import LearnerMovement
+from clusterenv.policy.heads import Categorical
+from clusterenv.policy.strategies import DEFAULT_UPDATES, MOVEMENT_SMOOTHING, Telemetry, WorkerTelemetry
+from tests.policies import BiasPolicy, EveryOtherVersion, OwnAPS, linear_policy
 
 CARTPOLE = functools.partial(gym.make, "CartPole-v1")
 
@@ -57,6 +59,29 @@ def test_relative_decisions(kl, movement, versions_behind, pull):
     assert decided is pull
 
 
+@pytest.mark.parametrize("strategy", [APS(), APS(0.05)], ids=repr)
+def test_a_copy_at_the_learners_version_never_pulls_it_again(strategy):
+    assert not strategy.should_pull(local_version=3, learner_version=3, kl=1.0, movement=1e-9)
+
+
+def test_the_reason_is_behind_while_the_bound_is_not_known():
+    assert APS().reason(0.3, movement=None) is PullReason.BEHIND
+    assert APS().reason(0.3, movement=0.01) is PullReason.DIVERGENCE
+    assert APS(0.05).reason(0.3) is PullReason.DIVERGENCE
+
+
+def test_an_infinite_step_leaves_the_learners_movement_as_it_was():
+    class Previous:  # the version before: logits that make the second action impossible
+        def outputs(self, obs):
+            return np.array([[0.0, -np.inf]] * len(obs))
+
+    telemetry = Telemetry([WorkerTelemetry(0)])
+    movement = LearnerMovement(Previous(), telemetry)  # type: ignore[arg-type]
+    finite = np.array([[0.0, 0.1]] * 3)
+    movement.measure(Categorical(), np.zeros((3, 1)), finite, [slice(0, 3)], version=1)
+    assert movement.of(0) == telemetry.workers[0].movement is None, "KL(latest ‖ previous) is infinite here"
+
+
 def test_the_bound_is_stated_in_nats_for_both_forms():
     assert APS().bound(0.01) == pytest.approx(DEFAULT_UPDATES * 0.01)
     assert APS().bound(None) is None
@@ -88,7 +113,7 @@ def test_the_statistic_reduces_the_probe_states_kls():
 
 def test_pull_reasons():
     assert APS().reason(None) is PullReason.BEHIND
-    assert APS().reason(0.3) is PullReason.DIVERGENCE
+    assert APS().reason(0.3, movement=0.01) is PullReason.DIVERGENCE
     assert EveryUpdate().reason(0.3) is PullReason.SCHEDULE
 
 
@@ -151,6 +176,15 @@ def test_a_strategy_written_without_the_movement_keyword_still_decides(cartpole)
         versions.append(int(runner.rollout(2).policy_versions[0, 0]))
         runner.publish()
     assert versions == [0, 0, 2, 2]
+
+
+def test_an_aps_subclass_without_the_movement_keyword_still_runs(cartpole):
+    runner = PolicyRunner(cartpole, linear_policy(4, 2, seed=0), OwnAPS(), seed=0)
+    versions = []
+    for _ in range(3):
+        versions.append(int(runner.rollout(2).policy_versions[0, 0]))
+        runner.publish()
+    assert versions == [0, 1, 2], "without the learner's movement the relative bound pulls whenever behind"
 
 
 def test_prefetching_workers_get_the_learners_movement_with_its_outputs(cartpole):

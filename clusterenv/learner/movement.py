@@ -4,7 +4,9 @@ At every publish the learner keeps the version it replaces. When it computes its
 worker's probe states for a KL check, it also computes the replaced version's, and
 ``KL(π_v ‖ π_{v-1})`` averaged over those states is one measurement of how far one version
 moves the policy there. Measurements are smoothed over versions (an exponential moving
-average, :data:`~clusterenv.policy.strategies.MOVEMENT_SMOOTHING`), once per version and worker.
+average, :data:`~clusterenv.policy.strategies.MOVEMENT_SMOOTHING`): at most once per version and
+worker, at the worker's next KL check, so several publishes between two rollouts count as the
+last one's step. A step that is not finite (a greedy head's infinite KL) is left out.
 """
 
 from __future__ import annotations
@@ -43,13 +45,15 @@ class LearnerMovement:
         ``slices[w]`` is worker ``w``'s rows (None: no probe states). A worker measured at this
         version already keeps its estimate; before the first publish nothing has moved.
         """
-        if version == 0:
+        due = [w for w, rows in enumerate(slices) if rows is not None and self._measured_at[w] != version]
+        if version == 0 or not due:
             return
         previous = self._previous.outputs(obs)
-        for worker_id, rows in enumerate(slices):
-            if rows is None or self._measured_at[worker_id] == version:
-                continue
+        for worker_id in due:
+            rows = slices[worker_id]
             step = float(np.mean(head.kl(latest[rows], previous[rows])))
+            if not np.isfinite(step):
+                continue
             estimate = self._estimates[worker_id]
             smoothed = step if estimate is None else MOVEMENT_SMOOTHING * estimate + (1 - MOVEMENT_SMOOTHING) * step
             self._estimates[worker_id], self._measured_at[worker_id] = smoothed, version

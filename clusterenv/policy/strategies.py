@@ -123,7 +123,7 @@ class SyncStrategy:
         """Whether to pull, given the acting copy's version, the learner's, and the measured KL (None if unmeasured)."""
         raise NotImplementedError
 
-    def reason(self, kl: float | None) -> PullReason:
+    def reason(self, kl: float | None, *, movement: float | None = None) -> PullReason:
         """Why a pull this strategy decided on happened (for the telemetry)."""
         return PullReason.BEHIND if kl is None and self.needs_kl else PullReason.SCHEDULE
 
@@ -191,10 +191,11 @@ class APS(SyncStrategy):
 
     What it guarantees: at every lockstep rollout start, after the decision, the acting
     copy's KL on the worker's probe states is at most the bound (``updates × movement``
-    nats, or ``threshold``). It bounds nothing on other states, nor the lag in versions; as
-    the learner stops moving (a learning rate annealed to 0) the relative bound shrinks with
-    it, and the copy follows the learner closely. Why this default, measured on five PPO
-    task settings: docs/aps-evidence.md.
+    nats, or ``threshold``), or after a pull of lossy weights their ``guard_kl``. It bounds
+    nothing on other states, nor the lag in versions; as the learner slows down (a learning
+    rate annealed toward 0) the relative bound shrinks with it, and the copy follows the
+    learner closely. A worker never pulls the version it holds. Why this default, measured
+    on five PPO task settings: docs/aps-evidence.md.
 
     Args:
         threshold: an absolute bound, a positive finite KL in nats; exclusive with ``updates``.
@@ -243,15 +244,16 @@ class APS(SyncStrategy):
     def should_pull(
         self, *, local_version: int, learner_version: int, kl: float | None, movement: float | None = None
     ) -> bool:
-        """``kl > bound``; without a measurement, whether the copy is behind."""
+        """Whether the copy is behind and ``kl > bound``; without a measured KL or bound, whether it is behind."""
+        behind = learner_version > local_version
         bound = self.bound(movement)
         if kl is None or bound is None:
-            return learner_version > local_version
-        return kl > bound
+            return behind
+        return behind and kl > bound
 
-    def reason(self, kl: float | None) -> PullReason:
-        """Divergence once a KL was measured, else the copy was behind."""
-        return PullReason.BEHIND if kl is None else PullReason.DIVERGENCE
+    def reason(self, kl: float | None, *, movement: float | None = None) -> PullReason:
+        """Divergence once a KL and its bound were known, else the copy was behind."""
+        return PullReason.BEHIND if kl is None or self.bound(movement) is None else PullReason.DIVERGENCE
 
     def divergence(self, per_state: np.ndarray) -> float:
         """The probe states' KLs reduced by :attr:`statistic`."""

@@ -24,6 +24,7 @@ This module is worker-side: it imports torch only when a policy arrives, and not
 
 from __future__ import annotations
 
+import inspect
 import logging
 import pickle
 from collections.abc import Callable
@@ -70,6 +71,7 @@ class _WorkerPolicy:
         self.worker = worker
         self.policy: LocalPolicy | None = None
         self.strategy: SyncStrategy = EveryUpdate()
+        self.takes_movement = False
         self.rngs: list[np.random.Generator] = []
         self.probe_outputs: np.ndarray | None = None
         self.pending: dict[str, Any] | None = None
@@ -101,6 +103,8 @@ class _WorkerPolicy:
         meta = meta_of(msg, SetPolicyMeta)
         self.policy = LocalPolicy(msg.blobs[0], meta["names"], list(msg.arrays), version=meta["version"])
         self.strategy = pickle.loads(msg.blobs[1])
+        # A strategy written before ``movement`` existed (a subclass of APS included) is not given it.
+        self.takes_movement = self.strategy.needs_movement and _takes_keyword(self.strategy.should_pull, "movement")
         seed = meta["seed"]
         # One generator per env, keyed by its global index: samples do not depend on the worker split.
         offset = self.worker.env_offset
@@ -122,7 +126,7 @@ class _WorkerPolicy:
             request["kl"], divergence = self._measure(request["head"], msg.arrays[0], self.probe_outputs)
         if self._should_pull(meta["learner_version"], divergence, meta.get("movement")):
             self.pending = request
-            return self._request(request["kl"], reason=self.strategy.reason(divergence))
+            return self._request(request["kl"], reason=self.strategy.reason(divergence, movement=meta.get("movement")))
         return self._act(request)
 
     def _measure(self, head: Head, learner_outputs: np.ndarray, local_outputs: np.ndarray) -> tuple[float, float]:
@@ -134,7 +138,7 @@ class _WorkerPolicy:
         """The strategy's answer; the learner's movement goes only to a strategy that takes it."""
         assert self.policy is not None
         local_version = self.policy.version
-        if self.strategy.needs_movement:
+        if self.takes_movement:
             return self.strategy.should_pull(  # type: ignore[call-arg]
                 local_version=local_version, learner_version=learner_version, kl=kl, movement=movement
             )
@@ -180,7 +184,7 @@ class _WorkerPolicy:
             _, held, exact, reason = self.asked
             self._ask(request["kl"], reason, held=held, exact=exact)
         if pull and not self.pull_outstanding:
-            self._ask(request["kl"], self.strategy.reason(divergence))
+            self._ask(request["kl"], self.strategy.reason(divergence, movement=movement))
         reply = self._act(request, between_steps=mailbox.poll)
         rollout_id = int(request["rollout_id"])
         self.probe_obs[rollout_id] = self.probe_states  # this rollout's probe states, as _act kept them
@@ -333,6 +337,11 @@ class _WorkerPolicy:
         if (usage := envs.step_clock.report()) is not None:  # once a second at most
             meta["usage"] = usage
         return Message(Kind.ROLLOUT_RESULT, meta, rollout_frames(obs, out, next_obs), blobs)
+
+
+def _takes_keyword(function: Callable[..., Any], name: str) -> bool:
+    parameters = inspect.signature(function).parameters.values()
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def install(worker: Worker) -> None:
