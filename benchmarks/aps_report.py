@@ -104,7 +104,7 @@ def summarize(results, strategies):
         rows[spec] = {
             "seeds": len(runs),
             "final": float(np.nanmean(values)),
-            "finals": values[~np.isnan(values)],
+            "by_seed": {r["seed"]: r["final_return"] for r in runs if r["final_return"] is not None},
             "final_std": float(np.nanstd(values)),
             "final_se": float(np.nanstd(values) / np.sqrt(max(1, np.sum(~np.isnan(values))))),
             "auc": float(np.mean([auc(r) for r in runs])),
@@ -220,20 +220,27 @@ BOOTSTRAP_RESAMPLES = 4000
 def seed_bootstrap(transfer, titles, strategies):
     """How much of the regret table is seed noise: the table again on each task's seeds drawn with replacement.
 
-    Per resample and task, every strategy's mean final return is taken over a resample of its own seeds; the
-    regret and the best single setting by worst regret follow as in the table.
+    Per resample and task, one draw of the task's seeds (with replacement) serves every strategy, as the strategies
+    ran on the same seeds; the regret and the best single setting by worst regret follow as in the table. The
+    spread over resamples says how much the table could move; it is not a confidence interval of its values
+    (a worst case over tasks of a ratio of differences is biased upward under resampling).
     """
     complete = [s for s in strategies if all(s in rows for rows in transfer.values())]
     if DEFAULT_SPEC not in complete:
         return []
+    seeds = {
+        name: sorted(set.intersection(*(set(rows[s]["by_seed"]) for s in complete))) for name, rows in transfer.items()
+    }
     rng = np.random.default_rng(0)
     wins = dict.fromkeys(complete, 0)
     worst_of_default, mean_of_default, both_met = [], [], 0
     for _ in range(BOOTSTRAP_RESAMPLES):
-        resampled = {
-            name: {s: {"final": float(rng.choice(rows[s]["finals"], len(rows[s]["finals"])).mean())} for s in complete}
-            for name, rows in transfer.items()
-        }
+        resampled = {}
+        for name, rows in transfer.items():
+            drawn = rng.choice(seeds[name], len(seeds[name]))
+            resampled[name] = {
+                s: {"final": float(np.mean([rows[s]["by_seed"][seed] for seed in drawn]))} for s in complete
+            }
         regret = regret_table(resampled, complete)
         worst = {s: max(regret[s].values()) for s in complete}
         wins[min(worst, key=worst.get)] += 1
@@ -249,7 +256,8 @@ def seed_bootstrap(transfer, titles, strategies):
         "### How much of it is seed noise",
         "",
         f"The regret table again on {BOOTSTRAP_RESAMPLES} resamples of each task's seeds (drawn with replacement, "
-        f"per strategy), over {', '.join(titles.values())}:",
+        f"one draw per task for all strategies; {', '.join(f'{titles[n]}: {len(seeds[n])}' for n in transfer)} "
+        "seeds). The ranges are the spread over resamples, not confidence intervals:",
         "",
         f"- Best single setting by worst regret: {share}.",
         f"- APS()'s worst regret: median {mid:.2f}, 90% of resamples in [{low:.2f}, {high:.2f}]; its mean regret: "

@@ -241,10 +241,18 @@ def advantages_and_returns(args, batch, values, next_value):
     return advantages, advantages + values
 
 
+def action_space_of(env_id):
+    env = gym.make(env_id)
+    try:
+        return env.action_space
+    finally:
+        env.close()
+
+
 def make_envs(args, env_id):
     """Fresh envs for one run: a wrapper's running statistics (NormalizeReward's) must not carry into the next run."""
     wrappers = [gym.wrappers.RecordEpisodeStatistics]
-    if isinstance(gym.spec(env_id).make().action_space, gym.spaces.Box):
+    if isinstance(action_space_of(env_id), gym.spaces.Box):
         # ppo_continuous.py's reward scaling (returns are recorded before it, unscaled).
         wrappers.append(functools.partial(gym.wrappers.NormalizeReward, gamma=args.gamma))
     return clusterenv.make_vec(

@@ -13,7 +13,7 @@ import pytest
 from clusterenv import APS, ClusterEnv, EveryUpdate, PolicyError, PolicyRunner, PullReason
 from clusterenv.learner.movement import LearnerMovement
 from clusterenv.policy.heads import Categorical
-from clusterenv.policy.strategies import DEFAULT_UPDATES, MOVEMENT_SMOOTHING, Telemetry, WorkerTelemetry
+from clusterenv.policy.strategies import DEFAULT_UPDATES, KL_FLOOR, MOVEMENT_SMOOTHING, Telemetry, WorkerTelemetry
 from tests.policies import BiasPolicy, EveryOtherVersion, OwnAPS, linear_policy
 
 CARTPOLE = functools.partial(gym.make, "CartPole-v1")
@@ -45,7 +45,7 @@ def test_aps_without_arguments_is_the_relative_bound():
 @pytest.mark.parametrize(
     "kl, movement, versions_behind, pull",
     [
-        (0.0399, 0.01, 5, False),  # within 4 versions' worth of movement
+        (0.0399, 0.01, 5, False),  # within 4 times the movement
         (0.0401, 0.01, 1, True),  # past it, however few versions behind
         (0.0, 0.0, 0, False),  # nothing has moved
         (None, None, 1, True),  # nothing measured yet: pull if behind
@@ -82,6 +82,26 @@ def test_an_infinite_step_leaves_the_learners_movement_as_it_was():
     assert movement.of(0) == telemetry.workers[0].movement is None, "KL(latest ‖ previous) is infinite here"
 
 
+def test_a_learner_that_stopped_moving_leaves_arithmetic_noise_alone():
+    """Below KL_FLOOR the copy differs by float arithmetic, not drift: no pull for it."""
+    assert APS().bound(0.0) == KL_FLOOR
+    assert not APS().should_pull(local_version=0, learner_version=1, kl=KL_FLOOR / 10, movement=0.0)
+    assert APS().should_pull(local_version=0, learner_version=1, kl=KL_FLOOR * 10, movement=0.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"statistic": ["mean"]}, {"updates": "16"}, {"threshold": np.nan}], ids=lambda k: repr(k)
+)
+def test_bad_settings_are_refused_with_what_was_expected(kwargs):
+    with pytest.raises(PolicyError, match="must be"):
+        APS(**kwargs)
+
+
+def test_numpy_numbers_are_settings_too():
+    assert APS(np.float32(0.05)).bound(None) == pytest.approx(0.05)
+    assert APS(updates=np.int64(8)).bound(0.01) == pytest.approx(0.08)
+
+
 def test_the_bound_is_stated_in_nats_for_both_forms():
     assert APS().bound(0.01) == pytest.approx(DEFAULT_UPDATES * 0.01)
     assert APS().bound(None) is None
@@ -92,8 +112,8 @@ def test_the_bound_is_stated_in_nats_for_both_forms():
     "make, message",
     [
         (lambda: APS(0.05, updates=4), "APS takes an absolute `threshold` or a relative `updates`, not both"),
-        (lambda: APS(updates=0), "`updates` must be a positive finite number of versions' worth"),
-        (lambda: APS(updates=math.inf), "`updates` must be a positive finite number"),
+        (lambda: APS(updates=0), "`updates` must be a positive finite multiple of the learner's per-version movement"),
+        (lambda: APS(updates=math.inf), "`updates` must be a positive finite multiple"),
         (lambda: APS(0.05, statistic="median"), "`statistic` must be one of ['max', 'mean', 'p95'], got 'median'"),
         (lambda: APS(statistic="p95"), "statistic='p95' needs an absolute `threshold`"),
     ],
@@ -185,6 +205,7 @@ def test_an_aps_subclass_without_the_movement_keyword_still_runs(cartpole):
         versions.append(int(runner.rollout(2).policy_versions[0, 0]))
         runner.publish()
     assert versions == [0, 1, 2], "without the learner's movement the relative bound pulls whenever behind"
+    assert dict(runner.telemetry.total.pull_reasons) == {"behind": 4}, "its bound was never known"
 
 
 def test_prefetching_workers_get_the_learners_movement_with_its_outputs(cartpole):
@@ -201,5 +222,5 @@ def test_prefetching_workers_get_the_learners_movement_with_its_outputs(cartpole
         runner.stop()
     total = runner.telemetry.total
     assert total.movement is not None and total.movement > 0
-    assert total.pull_reasons["divergence"] >= 2, "the jump to 3.0 is far past four versions' worth"
-    assert sum(total.pull_reasons.values()) == total.pulls
+    assert total.pull_reasons["divergence"] >= 2, "the jump to 3.0 is far past four times the movement"
+    assert total.pull_reasons["behind"] == 0, "every probe after a publish carries that version's movement"

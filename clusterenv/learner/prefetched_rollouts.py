@@ -61,8 +61,9 @@ class PrefetchingRunner(PolicyRunner, prefetching=True):
         """Answer the pulls waiting for the new version, and send each worker its outputs on its probe states."""
         if not self._stream.started:
             return
+        # Outputs (and the learner's movement) first: the probes sent while pumping carry this version's movement.
+        outputs = self._probe_outputs(self._stream.head) if self.send_probes else [None] * self.envs.num_workers
         answered = set(self._pump(0.0))  # their results got this version's probe outputs already
-        outputs = self._probe_outputs() if self.send_probes else [None] * self.envs.num_workers
         for w in range(self.envs.num_workers):
             if self.sync.pulls_every_version:
                 # The worker would ask for it at once; sending it now saves the request's
@@ -159,6 +160,7 @@ class PrefetchingRunner(PolicyRunner, prefetching=True):
             stream.hold.enter_context(self.envs.pending_call("a prefetching PolicyRunner; call runner.stop() first"))
             self.envs.note_cuts_reported(range(self.envs.num_workers))  # the first rollouts start new episodes there
             stream.num_steps, stream.started = num_steps, True
+        stream.head = head
         pool = self.envs.pool
         for w in worker_ids:
             # rollout() refills before taking the oldest batch, fragments() after taking one: either
@@ -251,6 +253,7 @@ class _Stream:
         self.results: list[dict[int, Message]] = [{} for _ in range(num_workers)]
         self.probe_id = [0] * num_workers if probe_id is None else list(probe_id)
         self.pushed = [-1] * num_workers  # the latest version pushed to each worker (EveryUpdate)
+        self.head: Head | None = None  # the head the workers act with (their KL checks use it too)
 
     def in_flight(self, worker_id: int) -> list[dict[str, Any]]:
         """The ROLLOUT_AHEAD commands of a worker whose results have not arrived, oldest first."""

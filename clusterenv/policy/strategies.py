@@ -19,7 +19,7 @@ the importance ratios ``π_learner / π_local`` of an off-policy-corrected updat
 The learner's *movement* is its own per-version change on the same probe states,
 ``KL(π_v ‖ π_{v-1})``, averaged over a worker's probe states and smoothed over versions
 (:data:`MOVEMENT_SMOOTHING`). The default :class:`APS` compares the copy's divergence with it,
-so its one setting is in units every task shares: versions' worth of the learner's own change.
+so its one setting is in units every task shares: multiples of the learner's own per-version change.
 
 Every strategy answers one question, in the worker, once per rollout: pull now or not.
 """
@@ -27,6 +27,7 @@ Every strategy answers one question, in the worker, once per rollout: pull now o
 from __future__ import annotations
 
 import math
+import numbers
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
@@ -41,6 +42,7 @@ __all__ = [
     "APS",
     "DEFAULT_UPDATES",
     "MOVEMENT_SMOOTHING",
+    "KL_FLOOR",
     "PullReason",
     "EveryUpdate",
     "FixedInterval",
@@ -80,8 +82,11 @@ def mean_kl(head: Head, learner_outputs: np.ndarray, local_outputs: np.ndarray) 
     return float(np.mean(state_kls(head, learner_outputs, local_outputs)))
 
 
-#: The default :class:`APS` bound: the copy may drift this many versions' worth of the learner's movement.
+#: The default :class:`APS` bound: the copy's KL may reach this many times the learner's per-version movement.
 DEFAULT_UPDATES = 16.0
+#: The smallest relative bound, in nats: below it the copy's outputs differ from the learner's by arithmetic
+#: (float32 on another device, another batch shape), not by drift, and a pull would change nothing.
+KL_FLOOR = 1e-6
 #: The weight of the previous estimate in the learner's movement (an exponential moving average over versions).
 MOVEMENT_SMOOTHING = 0.8
 
@@ -89,7 +94,8 @@ MOVEMENT_SMOOTHING = 0.8
 class PullReason(str, Enum):
     """Why a worker pulled weights, as the telemetry counts it (``WorkerTelemetry.pull_reasons``)."""
 
-    #: No KL could be measured yet (the first rollout), and the copy was behind.
+    #: The bound could not be judged, and the copy was behind: no KL measured yet (the first
+    #: rollout), or, for ``APS()``, no learner movement known yet (or a strategy that does not take it).
     BEHIND = "behind"
     #: The measured KL crossed the strategy's bound (APS).
     DIVERGENCE = "divergence"
@@ -184,23 +190,28 @@ class APS(SyncStrategy):
     pulls only if the learner has already published a newer version.
 
     ``APS()`` bounds the KL relative to the learner's own movement: a worker pulls once its
-    copy is more than ``updates`` versions' worth of the learner's recent per-version change
-    behind, ``KL > updates × movement``, both measured on the same probe states. The bound's
-    unit is the task's own step size, so one setting serves tasks whose policies move at
-    very different rates. ``APS(threshold)`` bounds the KL absolutely, in nats.
+    copy's KL exceeds ``updates`` times the KL one learner version moves the policy,
+    ``KL > max(updates × movement, KL_FLOOR)``, both measured on the same probe states. The
+    bound's unit is the task's own step size, so one setting serves tasks whose policies move
+    at very different rates. While the learner keeps its direction the copy's KL grows faster
+    than linearly with its lag, so it pulls after fewer than ``updates`` versions (every 7 to
+    10 in the PPO sweeps). The movement is per published version: publishing several times
+    per rollout makes each step, and the bound, smaller. ``APS(threshold)`` bounds the KL
+    absolutely, in nats.
 
-    What it guarantees: at every lockstep rollout start, after the decision, the acting
-    copy's KL on the worker's probe states is at most the bound (``updates × movement``
-    nats, or ``threshold``), or after a pull of lossy weights their ``guard_kl``. It bounds
-    nothing on other states, nor the lag in versions; as the learner slows down (a learning
-    rate annealed toward 0) the relative bound shrinks with it, and the copy follows the
-    learner closely. A worker never pulls the version it holds. Why this default, measured
-    on five PPO task settings: docs/aps-evidence.md.
+    What it guarantees: at every lockstep rollout start, after the decision, a copy behind
+    the learner has a KL on the worker's probe states of at most the bound
+    (``max(updates × movement, KL_FLOOR)`` nats, or ``threshold``); a copy at the learner's
+    version holds its weights (within their ``guard_kl`` with lossy weights), and is not
+    pulled again. It bounds nothing on other states, nor the lag in versions; as the
+    learner slows down (a learning rate annealed toward 0) the relative bound shrinks with
+    it, and the copy follows the learner closely. Why this default, measured on five PPO
+    task settings: docs/aps-evidence.md.
 
     Args:
         threshold: an absolute bound, a positive finite KL in nats; exclusive with ``updates``.
-        updates: the relative bound, a positive finite number of versions' worth of movement;
-            default :data:`DEFAULT_UPDATES` when ``threshold`` is not given.
+        updates: the relative bound, a positive finite multiple of the learner's per-version
+            movement; default :data:`DEFAULT_UPDATES` when ``threshold`` is not given.
         statistic: how the probe states' KLs make the one compared with an absolute ``threshold``:
             ``"mean"`` (default), ``"p95"`` (their 95th percentile) or ``"max"``. The relative
             bound compares means, as the learner's movement is one.
@@ -217,7 +228,7 @@ class APS(SyncStrategy):
                 f"APS takes an absolute `threshold` or a relative `updates`, not both "
                 f"(got threshold={self.threshold!r}, updates={self.updates!r})."
             )
-        if self.statistic not in _STATISTICS:
+        if not isinstance(self.statistic, str) or self.statistic not in _STATISTICS:
             raise PolicyError(f"`statistic` must be one of {sorted(_STATISTICS)}, got {self.statistic!r}.")
         if self.threshold is not None:
             _check_positive("threshold", self.threshold, "KL (nats)")
@@ -228,7 +239,7 @@ class APS(SyncStrategy):
                 )
             if self.updates is None:
                 object.__setattr__(self, "updates", DEFAULT_UPDATES)
-            _check_positive("updates", self.updates, "number of versions' worth of the learner's movement")
+            _check_positive("updates", self.updates, "multiple of the learner's per-version movement")
 
     @property
     def needs_movement(self) -> bool:
@@ -239,7 +250,9 @@ class APS(SyncStrategy):
         """The KL above which the worker pulls (None: not known yet, without the learner's movement)."""
         if self.threshold is not None:
             return self.threshold
-        return None if movement is None else float(self.updates) * movement  # type: ignore[arg-type]
+        if movement is None:
+            return None
+        return max(float(self.updates) * movement, KL_FLOOR)  # type: ignore[arg-type]
 
     def should_pull(
         self, *, local_version: int, learner_version: int, kl: float | None, movement: float | None = None
@@ -268,7 +281,7 @@ _STATISTICS = {
 
 
 def _check_positive(name: str, value: object, unit: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < float(value) < math.inf:
         raise PolicyError(f"`{name}` must be a positive finite {unit}, got {value!r}.")
 
 

@@ -82,9 +82,10 @@ __all__ = [
 
 #: Bumped whenever a message's content changes (4: infos travel packed, see ``wire/infos.py``;
 #: 5: any message may name a re-homed worker's ``slot``; 6: keyed BLAKE2b MACs instead of
-#: HMAC-SHA256; 7: keyed BLAKE3 MACs, compressed array frames, WELCOME names the codec), so that
-#: a learner and a worker of different versions refuse each other with a clear error.
-PROTOCOL_VERSION = 8
+#: HMAC-SHA256; 7: keyed BLAKE3 MACs, compressed array frames, WELCOME names the codec; 9: ROLLOUT
+#: and PROBE carry the learner's movement, WEIGHTS_REQUEST the pull's reason), so that a learner and
+#: a worker of different versions refuse each other with a clear error.
+PROTOCOL_VERSION = 9
 MAX_HEADER_BYTES = 64 * 1024
 #: The largest integer a header can carry (msgpack's uint64); the smallest is -2**63.
 MAX_HEADER_INT = 2**64 - 1

@@ -126,13 +126,17 @@ class _WorkerPolicy:
             request["kl"], divergence = self._measure(request["head"], msg.arrays[0], self.probe_outputs)
         if self._should_pull(meta["learner_version"], divergence, meta.get("movement")):
             self.pending = request
-            return self._request(request["kl"], reason=self.strategy.reason(divergence, movement=meta.get("movement")))
+            return self._request(request["kl"], reason=self._reason(divergence, meta.get("movement")))
         return self._act(request)
 
     def _measure(self, head: Head, learner_outputs: np.ndarray, local_outputs: np.ndarray) -> tuple[float, float]:
         """The mean KL over the probe states (reported), and the strategy's statistic of them (decided on)."""
         per_state = state_kls(head, learner_outputs, local_outputs)
         return float(np.mean(per_state)), self.strategy.divergence(per_state)
+
+    def _reason(self, kl: float | None, movement: float | None) -> PullReason:
+        """Why the strategy pulls, judged on what it decided with (no movement for one that does not take it)."""
+        return self.strategy.reason(kl, movement=movement if self.takes_movement else None)
 
     def _should_pull(self, learner_version: int, kl: float | None, movement: float | None) -> bool:
         """The strategy's answer; the learner's movement goes only to a strategy that takes it."""
@@ -184,7 +188,7 @@ class _WorkerPolicy:
             _, held, exact, reason = self.asked
             self._ask(request["kl"], reason, held=held, exact=exact)
         if pull and not self.pull_outstanding:
-            self._ask(request["kl"], self.strategy.reason(divergence, movement=movement))
+            self._ask(request["kl"], self._reason(divergence, movement))
         reply = self._act(request, between_steps=mailbox.poll)
         rollout_id = int(request["rollout_id"])
         self.probe_obs[rollout_id] = self.probe_states  # this rollout's probe states, as _act kept them
