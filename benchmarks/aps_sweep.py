@@ -465,10 +465,11 @@ def write_report(args, results):
     for env_id in sorted({r["env_id"] for r in results}):
         rows = [r for r in results if r["env_id"] == env_id]
         every = [r["pulls_per_worker"] for r in rows if r["strategy"] == "every"]
+        threshold = rows[0].get("solved_return", 475.0)
         lines += [
             f"## {env_id}",
             "",
-            f"| strategy | final return | {solved_header(rows[0].get('solved_return', 475.0))} | pulls/worker "
+            f"| strategy | final return | {solved_header(threshold)} | pulls/worker "
             "| pull reduction vs EveryUpdate "
             "| weight MB (+ probe MB) | mean lag | lag 0 / 1 / 2 / 3+ (% of steps) | mean KL |",
             "|---|---|---|---|---|---|---|---|---|",
@@ -478,9 +479,12 @@ def write_report(args, results):
             if not runs:
                 continue
             solved = [r["solved_at"] for r in runs if r["solved_at"] is not None]
-            solved_text = f"{np.mean(solved):,.0f} ({len(solved)}/{len(runs)})" if solved else f"never (0/{len(runs)})"
-            if not np.isfinite(rows[0].get("solved_return", 475.0)):
+            if not np.isfinite(threshold):
                 solved_text = "n/a"
+            elif solved:
+                solved_text = f"{np.mean(solved):,.0f} ({len(solved)}/{len(runs)})"
+            else:
+                solved_text = f"never (0/{len(runs)})"
             pulls = np.mean([r["pulls_per_worker"] for r in runs])
             reduction = f"{np.mean(every) / pulls:.1f}x" if every and pulls else "n/a"
             weight_mb = np.mean([r["weight_bytes"] for r in runs]) / 1e6

@@ -189,23 +189,25 @@ def test_schedule_pulls_are_counted_as_such(cartpole):
     assert runner.telemetry.total.movement is None, "only a strategy that needs it measures the learner's movement"
 
 
-def test_a_strategy_written_without_the_movement_keyword_still_decides(cartpole):
-    runner = PolicyRunner(cartpole, linear_policy(4, 2, seed=0), EveryOtherVersion(), seed=0)
+def versions_acted(runner, rollouts):
+    """The version the first env acted with in each rollout, the learner publishing after each."""
     versions = []
-    for _ in range(4):
+    for _ in range(rollouts):
         versions.append(int(runner.rollout(2).policy_versions[0, 0]))
         runner.publish()
-    assert versions == [0, 0, 2, 2]
+    return versions
+
+
+def test_a_strategy_written_without_the_movement_keyword_still_decides(cartpole):
+    runner = PolicyRunner(cartpole, linear_policy(4, 2, seed=0), EveryOtherVersion(), seed=0)
+    assert versions_acted(runner, 4) == [0, 0, 2, 2]
 
 
 def test_an_aps_subclass_without_the_movement_keyword_still_runs(cartpole):
     runner = PolicyRunner(cartpole, linear_policy(4, 2, seed=0), OwnAPS(), seed=0)
-    versions = []
-    for _ in range(3):
-        versions.append(int(runner.rollout(2).policy_versions[0, 0]))
-        runner.publish()
-    assert versions == [0, 1, 2], "without the learner's movement the relative bound pulls whenever behind"
+    assert versions_acted(runner, 3) == [0, 1, 2], "without the learner's movement the bound pulls whenever behind"
     assert dict(runner.telemetry.total.pull_reasons) == {"behind": 4}, "its bound was never known"
+    assert runner.telemetry.total.movement is None, "the learner does not measure what the strategy cannot take"
 
 
 def test_prefetching_workers_get_the_learners_movement_with_its_outputs(cartpole):
@@ -224,3 +226,4 @@ def test_prefetching_workers_get_the_learners_movement_with_its_outputs(cartpole
     assert total.movement is not None and total.movement > 0
     assert total.pull_reasons["divergence"] >= 2, "the jump to 3.0 is far past four times the movement"
     assert total.pull_reasons["behind"] == 0, "every probe after a publish carries that version's movement"
+    assert sum(total.pull_reasons.values()) == total.pulls

@@ -26,9 +26,12 @@ Every strategy answers one question, in the worker, once per rollout: pull now o
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import numbers
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import ClassVar
@@ -243,8 +246,8 @@ class APS(SyncStrategy):
 
     @property
     def needs_movement(self) -> bool:
-        """The relative bound needs the learner's movement."""
-        return self.threshold is None
+        """The relative bound needs the learner's movement, unless a subclass's ``should_pull`` predates it."""
+        return self.threshold is None and _takes_movement(type(self).should_pull)
 
     def bound(self, movement: float | None) -> float | None:
         """The KL above which the worker pulls (None: not known yet, without the learner's movement)."""
@@ -278,6 +281,13 @@ _STATISTICS = {
     "p95": lambda kls: float(np.quantile(kls, 0.95)),
     "max": lambda kls: float(np.max(kls)),
 }
+
+
+@functools.cache
+def _takes_movement(should_pull: Callable[..., bool]) -> bool:
+    """Whether a class's ``should_pull`` takes ``movement`` (once per class: workers ask every rollout)."""
+    parameters = inspect.signature(should_pull).parameters.values()
+    return any(p.name == "movement" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def _check_positive(name: str, value: object, unit: str) -> None:

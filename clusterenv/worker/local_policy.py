@@ -24,7 +24,6 @@ This module is worker-side: it imports torch only when a policy arrives, and not
 
 from __future__ import annotations
 
-import inspect
 import logging
 import pickle
 from collections.abc import Callable
@@ -71,7 +70,6 @@ class _WorkerPolicy:
         self.worker = worker
         self.policy: LocalPolicy | None = None
         self.strategy: SyncStrategy = EveryUpdate()
-        self.takes_movement = False
         self.rngs: list[np.random.Generator] = []
         self.probe_outputs: np.ndarray | None = None
         self.pending: dict[str, Any] | None = None
@@ -103,8 +101,6 @@ class _WorkerPolicy:
         meta = meta_of(msg, SetPolicyMeta)
         self.policy = LocalPolicy(msg.blobs[0], meta["names"], list(msg.arrays), version=meta["version"])
         self.strategy = pickle.loads(msg.blobs[1])
-        # A strategy written before ``movement`` existed (a subclass of APS included) is not given it.
-        self.takes_movement = self.strategy.needs_movement and _takes_keyword(self.strategy.should_pull, "movement")
         seed = meta["seed"]
         # One generator per env, keyed by its global index: samples do not depend on the worker split.
         offset = self.worker.env_offset
@@ -136,13 +132,13 @@ class _WorkerPolicy:
 
     def _reason(self, kl: float | None, movement: float | None) -> PullReason:
         """Why the strategy pulls, judged on what it decided with (no movement for one that does not take it)."""
-        return self.strategy.reason(kl, movement=movement if self.takes_movement else None)
+        return self.strategy.reason(kl, movement=movement if self.strategy.needs_movement else None)
 
     def _should_pull(self, learner_version: int, kl: float | None, movement: float | None) -> bool:
         """The strategy's answer; the learner's movement goes only to a strategy that takes it."""
         assert self.policy is not None
         local_version = self.policy.version
-        if self.takes_movement:
+        if self.strategy.needs_movement:
             return self.strategy.should_pull(  # type: ignore[call-arg]
                 local_version=local_version, learner_version=learner_version, kl=kl, movement=movement
             )
@@ -341,11 +337,6 @@ class _WorkerPolicy:
         if (usage := envs.step_clock.report()) is not None:  # once a second at most
             meta["usage"] = usage
         return Message(Kind.ROLLOUT_RESULT, meta, rollout_frames(obs, out, next_obs), blobs)
-
-
-def _takes_keyword(function: Callable[..., Any], name: str) -> bool:
-    parameters = inspect.signature(function).parameters.values()
-    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def install(worker: Worker) -> None:
